@@ -1,0 +1,26 @@
+"""hookloop: a thin training loop on Accelerate whose every variable part is a
+pluggy hook.
+
+    from hookloop import Loop, Network, hookimpl
+"""
+
+from .errors import HookError, PluginLoadError, PluginValidationError
+from .loop import Loop
+from .markers import hookimpl, hookspec
+from .network import Network
+from .state import LoopState
+from .strategies import StepOutput
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HookError",
+    "Loop",
+    "LoopState",
+    "Network",
+    "PluginLoadError",
+    "PluginValidationError",
+    "StepOutput",
+    "hookimpl",
+    "hookspec",
+]

@@ -1,0 +1,58 @@
+"""How the built-in strategies read a batch and a model's outputs.
+
+A batch that is a mapping is passed as ``model(**batch)`` and its targets are
+``batch["labels"]`` (or ``batch["label"]``); a sequence ``(inputs, targets,
+...)`` is passed as ``model(inputs)`` with ``targets = batch[1]``; a lone
+tensor is passed as ``model(batch)`` and has no targets.
+"""
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+
+def forward(model, batch):
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, torch.Tensor):
+        return model(batch)
+    if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)) and len(batch) >= 1:
+        return model(batch[0])
+    raise TypeError(
+        f"the supervised strategy cannot use a batch of type {type(batch).__name__}: "
+        "expected a mapping (passed as model(**batch)), an (inputs, targets) "
+        "pair (passed as model(inputs)) or a tensor"
+    )
+
+
+def targets_of(batch):
+    if isinstance(batch, Mapping):
+        labels = batch.get("labels")
+        return batch.get("label") if labels is None else labels
+    if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)) and len(batch) >= 2:
+        return batch[1]
+    return None
+
+
+def loss_of(outputs):
+    """The loss a model computed itself (Hugging Face models given labels)."""
+    if isinstance(outputs, Mapping):
+        return outputs.get("loss")
+    return getattr(outputs, "loss", None) if not isinstance(outputs, torch.Tensor) else None
+
+
+def logits_of(outputs):
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, Mapping) and "logits" in outputs:
+        return outputs["logits"]
+    logits = getattr(outputs, "logits", None)
+    if logits is not None:
+        return logits
+    if isinstance(outputs, Sequence) and outputs and isinstance(outputs[0], torch.Tensor):
+        return outputs[0]
+    raise TypeError(
+        f"cannot find logits in model outputs of type {type(outputs).__name__}: "
+        "return a tensor, or an object with a `logits` attribute, or write a "
+        "compute_loss plugin"
+    )

@@ -1,0 +1,37 @@
+"""Exceptions hookloop raises. Each message names the culprit."""
+
+import pluggy
+
+
+class PluginValidationError(pluggy.PluginValidationError):
+    """A plugin cannot be registered: raised by ``Loop(...)`` before training.
+
+    Subclasses pluggy's own error so that code catching pluggy's still works.
+    """
+
+    def __init__(self, plugin, message):
+        super().__init__(plugin, message)
+
+
+class PluginLoadError(ImportError):
+    """An installed plugin (an entry point in the ``hookloop`` group) could
+    not be imported or instantiated."""
+
+    def __init__(self, message, *, distribution=None, entry_point=None):
+        super().__init__(message)
+        self.distribution = distribution
+        self.entry_point = entry_point
+
+
+class HookError(RuntimeError):
+    """A hook implementation raised. The original exception is chained
+    (``__cause__``) with its traceback; ``plugin`` and ``hook`` name where."""
+
+    def __init__(self, plugin, hook, exception):
+        self.plugin = plugin
+        self.hook = hook
+        self.exception = exception
+        super().__init__(
+            f"plugin {plugin!r} raised in hook {hook!r}: "
+            f"{type(exception).__name__}: {exception}"
+        )

@@ -1,0 +1,364 @@
+"""The plugin manager: which plugins a loop runs, in which order, and why.
+
+Three sources, called in this order for every hook (pluggy calls the
+last-registered first, so they are registered in the reverse order):
+
+1. plugins given in code, ``Loop(plugins=[A, B])``: A, then B;
+2. installed plugins (entry-point group ``hookloop``) that are switched on:
+   named in ``plugins=[...]``, or observers whose author set ``autoload``;
+3. built-in plugins: the strategy, its default loss, the progress bar.
+
+An installed plugin is *listed* without being *active*: installing a
+distribution never changes somebody's training by itself (see
+:func:`discover`). Environment controls, as in pytest and datasette:
+
+``HOOKLOOP_DISABLE_PLUGIN_AUTOLOAD=1``
+    no installed plugin is activated unless named in ``plugins=[...]``.
+``HOOKLOOP_LOAD_PLUGINS=a,b``
+    only these installed plugins may autoload (set but empty: none).
+``HOOKLOOP_BLOCK_PLUGINS=a,b``
+    never run these, whatever their source (built-ins included).
+``HOOKLOOP_TRACE=1``
+    print every hook call and its implementations to stderr.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import os
+import sys
+import warnings
+from dataclasses import dataclass, field
+from importlib import metadata
+
+import pluggy
+from pluggy._hooks import varnames
+
+from . import hookspecs
+from .errors import PluginLoadError, PluginValidationError
+from .markers import ENTRY_POINT_GROUP, PROJECT_NAME
+
+ENV_DISABLE_AUTOLOAD = "HOOKLOOP_DISABLE_PLUGIN_AUTOLOAD"
+ENV_LOAD = "HOOKLOOP_LOAD_PLUGINS"
+ENV_BLOCK = "HOOKLOOP_BLOCK_PLUGINS"
+ENV_TRACE = "HOOKLOOP_TRACE"
+
+
+def hook_names() -> list[str]:
+    """Every hook, in the order ``hookspecs.py`` declares them."""
+    return [
+        name
+        for name, func in vars(hookspecs).items()
+        if inspect.isfunction(func) and hasattr(func, PROJECT_NAME + "_spec")
+    ]
+
+
+def _env_list(name: str) -> list[str] | None:
+    """``None`` when the variable is unset; ``[]`` when set but empty."""
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def blocked_names(extra=()) -> set[str]:
+    return set(_env_list(ENV_BLOCK) or ()) | set(extra)
+
+
+def plugin_name(plugin) -> str:
+    """A plugin's name: its ``name`` attribute, else its class (or module) name."""
+    name = getattr(plugin, "name", None)
+    if isinstance(name, str) and name:
+        return name
+    if inspect.ismodule(plugin):
+        return plugin.__name__
+    return type(plugin).__name__
+
+
+# ---------------------------------------------------------------------------
+# installed plugins
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Installed:
+    """One entry point of the ``hookloop`` group, loaded or not."""
+
+    name: str
+    entry_point: metadata.EntryPoint
+    distribution: str | None
+    version: str | None
+    obj: object = None
+    error: BaseException | None = None
+    hooks: list[str] = field(default_factory=list)
+
+    @property
+    def autoload(self) -> bool:
+        """Whether the author declared the plugin an observer that may act
+        as soon as it is installed (``autoload = True`` on the object)."""
+        return bool(getattr(self.obj, "autoload", False))
+
+    def describe(self) -> str:
+        dist = f"{self.distribution} {self.version}" if self.distribution else "?"
+        return f"entry point {self.name!r} ({self.entry_point.value}) of distribution {dist}"
+
+    def instantiate(self, options=None):
+        """The plugin object to register: a class is called with ``options``,
+        a module or an instance is used as it is."""
+        if self.error is not None:
+            raise PluginLoadError(
+                f"cannot load installed plugin {self.name!r}: "
+                f"{self.describe()} failed to import: "
+                f"{type(self.error).__name__}: {self.error}",
+                distribution=self.distribution,
+                entry_point=self.entry_point.value,
+            ) from self.error
+        if inspect.isclass(self.obj):
+            try:
+                return self.obj(**(options or {}))
+            except TypeError as exc:
+                raise PluginLoadError(
+                    f"cannot create installed plugin {self.name!r} "
+                    f"({self.describe()}) with options {options or {}}: {exc}",
+                    distribution=self.distribution,
+                    entry_point=self.entry_point.value,
+                ) from exc
+        if options:
+            raise PluginLoadError(
+                f"installed plugin {self.name!r} ({self.describe()}) is not a "
+                f"class and takes no options; got {options}",
+                distribution=self.distribution,
+                entry_point=self.entry_point.value,
+            )
+        return self.obj
+
+
+def discover() -> list[Installed]:
+    """Every entry point of the ``hookloop`` group, imported but not
+    registered. A distribution that fails to import is returned with its
+    ``error`` set: it does not take the others down."""
+    found = []
+    seen = set()
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = getattr(ep, "dist", None)
+        key = (ep.name, ep.value)
+        if key in seen:  # the same distribution seen twice on sys.path
+            continue
+        seen.add(key)
+        item = Installed(
+            name=ep.name,
+            entry_point=ep,
+            distribution=dist.metadata["Name"] if dist else None,
+            version=dist.version if dist else None,
+        )
+        try:
+            item.obj = ep.load()
+        except Exception as exc:  # noqa: BLE001 - reported, never fatal here
+            item.error = exc
+        else:
+            item.hooks = implemented_hooks(item.obj)
+        found.append(item)
+    return found
+
+
+def autoload_decision(item: Installed, block=()) -> tuple[bool, str]:
+    """Whether an installed plugin activates without being named, and why."""
+    if item.name in blocked_names(block):
+        return False, "blocked by name"
+    if item.error is not None:
+        return False, f"failed to import: {type(item.error).__name__}: {item.error}"
+    if os.environ.get(ENV_DISABLE_AUTOLOAD):
+        return False, f"{ENV_DISABLE_AUTOLOAD} is set; name it in plugins=[...] to use it"
+    allow = _env_list(ENV_LOAD)
+    if allow is not None and item.name not in allow:
+        return False, f"not in {ENV_LOAD}; name it in plugins=[...] to use it"
+    if not item.autoload:
+        return False, "changes training: acts only when named in plugins=[...]"
+    return True, "observer: its author set autoload = True"
+
+
+# ---------------------------------------------------------------------------
+# validation
+# ---------------------------------------------------------------------------
+
+
+def _spec_args(name: str) -> tuple[str, ...]:
+    return varnames(getattr(hookspecs, name))[0]
+
+
+def implemented_hooks(plugin) -> list[str]:
+    """The hook names a plugin object marks with ``@hookimpl``."""
+    if inspect.isclass(plugin):  # look at the methods without instantiating
+        candidates = {n: getattr(plugin, n, None) for n in dir(plugin)}
+    else:
+        candidates = {n: getattr(plugin, n, None) for n in dir(plugin) if not n.startswith("__")}
+    out = []
+    for attr, value in candidates.items():
+        opts = getattr(value, PROJECT_NAME + "_impl", None)
+        if isinstance(opts, dict):
+            out.append(opts.get("specname") or attr)
+    order = {h: i for i, h in enumerate(hook_names())}
+    return sorted(out, key=lambda h: order.get(h, len(order)))
+
+
+def validate(plugin, name: str) -> None:
+    """Raise :class:`PluginValidationError`, naming the plugin, the method and
+    the valid choices, for anything pluggy would accept silently or report
+    only at call time."""
+    if inspect.isclass(plugin):
+        raise PluginValidationError(
+            plugin,
+            f"plugin {name!r} is the class {plugin.__module__}.{plugin.__qualname__}, "
+            f"not an instance: pass {plugin.__qualname__}(...) instead",
+        )
+    valid = hook_names()
+    marked = 0
+    for attr in dir(plugin):
+        if attr.startswith("__"):
+            continue
+        method = getattr(plugin, attr, None)
+        opts = getattr(method, PROJECT_NAME + "_impl", None)
+        if not isinstance(opts, dict):
+            continue
+        marked += 1
+        hook = opts.get("specname") or attr
+        if hook not in valid:
+            close = difflib.get_close_matches(hook, valid, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise PluginValidationError(
+                plugin,
+                f"plugin {name!r}: method {attr!r} is marked @hookimpl but "
+                f"{hook!r} is not a hookloop hook.{hint} "
+                f"Valid hooks: {', '.join(valid)}",
+            )
+        args = varnames(method)[0]
+        spec_args = _spec_args(hook)
+        unknown = [a for a in args if a not in spec_args]
+        if unknown:
+            raise PluginValidationError(
+                plugin,
+                f"plugin {name!r}: method {attr!r} (hook {hook!r}) asks for "
+                f"argument(s) {', '.join(map(repr, unknown))} that the hook does "
+                f"not have. Valid arguments: {', '.join(spec_args)}",
+            )
+    if marked == 0:
+        lookalikes = [a for a in dir(plugin) if a in valid]
+        hint = (
+            f" Methods named like hooks but not marked: {', '.join(lookalikes)} "
+            f"(add @hookimpl)."
+            if lookalikes
+            else ""
+        )
+        raise PluginValidationError(
+            plugin, f"plugin {name!r} has no @hookimpl methods.{hint}"
+        )
+
+
+# ---------------------------------------------------------------------------
+# the manager
+# ---------------------------------------------------------------------------
+
+
+def _noop(**kwargs):
+    return None
+
+
+class HookRelay:
+    """``loop.hook``: one attribute per hook, called with keyword arguments.
+
+    A hook that no plugin implements is a plain no-op function, so the
+    per-step path pays nothing for it (pluggy's own call costs ~0.6 µs even
+    with no implementation). Rebuilt whenever the set of plugins changes.
+    """
+
+    def __init__(self, pm: pluggy.PluginManager):
+        for name in hook_names():
+            caller = getattr(pm.hook, name)
+            setattr(self, name, caller if caller.get_hookimpls() else _noop)
+
+
+class PluginManager:
+    """pluggy's manager plus validation, ordering, names and attribution."""
+
+    def __init__(self):
+        self.pm = pluggy.PluginManager(PROJECT_NAME)
+        self.pm.add_hookspecs(hookspecs)
+        #: name -> where it came from ("built-in", "code", or an entry point)
+        self.sources: dict[str, str] = {}
+        self.hook = HookRelay(self.pm)
+        if os.environ.get(ENV_TRACE):
+            self._enable_tracing()
+
+    def register(self, plugin, name: str, source: str) -> None:
+        validate(plugin, name)
+        if self.pm.has_plugin(name):
+            other = self.sources.get(name, "?")
+            raise PluginValidationError(
+                plugin,
+                f"two plugins are named {name!r}: one from {other}, one from "
+                f"{source}. Give one a different `name` attribute.",
+            )
+        if self.pm.is_registered(plugin):
+            raise PluginValidationError(
+                plugin, f"plugin {name!r} ({source}) is given twice (the same object)"
+            )
+        self.pm.register(plugin, name=name)
+        self.sources[name] = source
+        self.hook = HookRelay(self.pm)
+
+    def unregister(self, name: str) -> None:
+        self.pm.unregister(name=name)
+        self.sources.pop(name, None)
+        self.hook = HookRelay(self.pm)
+
+    def names(self) -> list[str]:
+        return [name for name, plugin in self.pm.list_name_plugin() if plugin is not None]
+
+    def get(self, name: str):
+        return self.pm.get_plugin(name)
+
+    def culprit(self, exc: BaseException) -> tuple[str, str] | None:
+        """Which plugin and hook an exception came out of: the innermost
+        traceback frame that runs a registered hook implementation.
+
+        Costs nothing until something raises (no per-call wrapping)."""
+        by_code: dict = {}
+        for hook in hook_names():
+            for impl in getattr(self.pm.hook, hook).get_hookimpls():
+                code = getattr(impl.function, "__code__", None)
+                if code is not None:
+                    by_code.setdefault(code, []).append((impl, hook))
+        found = None
+        tb = exc.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            candidates = by_code.get(frame.f_code)
+            if candidates:
+                owner = frame.f_locals.get("self")
+                match = next(
+                    (c for c in candidates if getattr(c[0].function, "__self__", None) is owner),
+                    candidates[0],
+                )
+                found = (match[0].plugin_name, match[1])
+            tb = tb.tb_next
+        return found
+
+    def _enable_tracing(self):
+        def before(hook_name, hook_impls, kwargs):
+            names = ", ".join(impl.plugin_name for impl in hook_impls)
+            print(f"[hookloop] {hook_name} -> {names}", file=sys.stderr)
+
+        def after(outcome, hook_name, hook_impls, kwargs):
+            pass
+
+        self.pm.add_hookcall_monitoring(before, after)
+
+
+def warn_broken(item: Installed) -> None:
+    warnings.warn(
+        f"hookloop: skipping installed plugin {item.name!r}: {item.describe()} "
+        f"failed to import: {type(item.error).__name__}: {item.error}",
+        RuntimeWarning,
+        stacklevel=3,
+    )

@@ -1,0 +1,31 @@
+"""The default loss: what the model computed, else cross-entropy."""
+
+import torch.nn.functional as F
+
+from ..batches import logits_of, loss_of, targets_of
+from ..markers import hookimpl
+
+
+class DefaultLoss:
+    """``outputs.loss`` when the model returns one (a Hugging Face model given
+    ``labels``), else ``cross_entropy(logits, targets)``.
+
+    ``trylast``: any plugin implementing ``compute_loss`` runs first and
+    replaces it by returning a tensor.
+    """
+
+    name = "loss"
+
+    @hookimpl(trylast=True)
+    def compute_loss(self, network, batch, outputs):
+        loss = loss_of(outputs)
+        if loss is not None:
+            return loss
+        targets = targets_of(batch)
+        if targets is None:
+            raise ValueError(
+                f"network {network.name!r}: the model returned no loss and the batch "
+                "has no targets (no 'labels' key, no second element). Pass labels, "
+                "or write a plugin that implements compute_loss."
+            )
+        return F.cross_entropy(logits_of(outputs), targets)

@@ -1,0 +1,39 @@
+"""A tracker Accelerate lacks: JSON lines in a file, readable by anything."""
+
+import json
+import os
+
+from accelerate.tracking import GeneralTracker, on_main_process
+
+
+class JSONLinesTracker(GeneralTracker):
+    """``Accelerator(log_with=[JSONLinesTracker("run", "logs")])`` appends one
+    JSON object per ``accelerator.log`` call to ``logs/run.jsonl``:
+    ``{"step": 50, "loss": 0.69, ...}``; the run configuration goes on a
+    first line ``{"config": {...}}``. Main process only."""
+
+    name = "jsonl"
+    requires_logging_directory = True
+    main_process_only = True
+
+    @on_main_process
+    def __init__(self, run_name: str, logging_dir: str | os.PathLike):
+        super().__init__()
+        os.makedirs(logging_dir, exist_ok=True)
+        self.path = os.path.join(logging_dir, f"{run_name}.jsonl")
+
+    @property
+    def tracker(self):
+        return self.path
+
+    @on_main_process
+    def store_init_configuration(self, values: dict):
+        self._write({"config": values})
+
+    @on_main_process
+    def log(self, values: dict, step: int | None = None, **kwargs):
+        self._write({"step": step, **values})
+
+    def _write(self, record):
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record, default=float) + "\n")
