@@ -1,0 +1,144 @@
+"""The ``hookloop`` command: list plugins and hooks, run the demos.
+
+    hookloop plugins [--json]     what a Loop would load, and why
+    hookloop hooks                the hook reference
+    hookloop demo [NAME] [ARGS]   run a packaged example (default: the GAN demo)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import sys
+
+from . import __version__, hookspecs
+from . import manager as plugin_manager
+
+#: demo name -> module under hookloop.examples with a ``main(argv)`` function
+DEMOS = {
+    "gan": "gan_digits",
+    "digits": "digits_classifier",
+    "text": "text_classification",
+}
+DEFAULT_DEMO = "gan"
+
+
+def plugin_rows(block=()) -> list[dict]:
+    """Every plugin a ``Loop`` could run: built-ins and installed ones, with
+    whether it is active and why."""
+    from .plugins import BUILTINS
+    from .strategies import Supervised
+
+    blocked = plugin_manager.blocked_names(block)
+    rows = []
+    defaults = {"supervised": Supervised, "loss": BUILTINS["loss"], "progress": BUILTINS["progress"]}
+    for name, cls in {**defaults, **BUILTINS}.items():
+        if any(r["name"] == name for r in rows):
+            continue
+        default = name in defaults
+        if name in blocked and name != "supervised":
+            status, why = "blocked", "blocked by name"
+        elif default:
+            status, why = "active", "built-in default"
+        else:
+            status, why = "available", f"built-in: switch on with plugins=[{cls.__name__}(...)] or plugins=[{name!r}]"
+        rows.append({
+            "name": name,
+            "source": "built-in",
+            "distribution": "hookloop",
+            "version": __version__,
+            "object": f"{cls.__module__}.{cls.__qualname__}",
+            "hooks": plugin_manager.implemented_hooks(cls),
+            "status": status,
+            "reason": why,
+        })
+    for item in plugin_manager.discover():
+        active, why = plugin_manager.autoload_decision(item, block)
+        if item.error is not None:
+            status = "blocked" if item.name in blocked else "error"
+        elif item.name in blocked:
+            status = "blocked"
+        else:
+            status = "active" if active else "installed"
+        rows.append({
+            "name": item.name,
+            "source": "entry point",
+            "distribution": item.distribution,
+            "version": item.version,
+            "object": item.entry_point.value,
+            "hooks": item.hooks,
+            "status": status,
+            "reason": why,
+        })
+    return rows
+
+
+def hook_reference() -> str:
+    """The hook reference, from the hookspec docstrings."""
+    out = [inspect.cleandoc(hookspecs.__doc__), ""]
+    for name in plugin_manager.hook_names():
+        func = getattr(hookspecs, name)
+        sig = inspect.signature(func)
+        first = " (firstresult)" if func.hookloop_spec.get("firstresult") else ""
+        out.append(f"{name}{sig}{first}")
+        out.append("-" * len(out[-1]))
+        out.append(inspect.cleandoc(func.__doc__ or "(undocumented)"))
+        out.append("")
+    return "\n".join(out)
+
+
+def _cmd_plugins(args) -> int:
+    rows = plugin_rows()
+    if args.hook:
+        rows = [r for r in rows if args.hook in r["hooks"]]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for r in rows:
+        where = r["source"] if r["source"] == "built-in" else f"{r['distribution']} {r['version']}"
+        print(f"{r['name']:<14} {r['status']:<10} {where}")
+        print(f"{'':<14} hooks: {', '.join(r['hooks']) or '-'}")
+        print(f"{'':<14} {r['reason']}")
+    return 0
+
+
+def _cmd_hooks(args) -> int:
+    print(hook_reference())
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    name = args.name or DEFAULT_DEMO
+    if name not in DEMOS:
+        print(f"hookloop demo: unknown demo {name!r}; choose from {', '.join(DEMOS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"hookloop.examples.{DEMOS[name]}")
+    return module.main(args.args) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hookloop", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"hookloop {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plugins", help="list the plugins a Loop would load")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--hook", help="only plugins implementing this hook")
+    p.set_defaults(func=_cmd_plugins)
+    p = sub.add_parser("hooks", help="print the hook reference")
+    p.set_defaults(func=_cmd_hooks)
+    p = sub.add_parser("demo", help="run a packaged example", add_help=False)
+    p.add_argument("name", nargs="?", help=f"one of {', '.join(DEMOS)} (default {DEFAULT_DEMO})")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the example")
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
