@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import os
 import weakref
 from collections.abc import Mapping
 
@@ -254,17 +255,16 @@ class Loop:
                 plugin, source = item, "code"
             user.append((plugin, plugin_manager.plugin_name(plugin), source))
         user_names = {name for _, name, _ in user}
-        if installed is None:
+        if installed is None and not os.environ.get(plugin_manager.ENV_DISABLE_AUTOLOAD):
             installed = {i.name: i for i in plugin_manager.discover()}
         auto = []
-        for item in installed.values():
-            if item.name in user_names:
+        for item in (installed or {}).values():
+            if item.name in user_names or not plugin_manager.autoload_considered(item.name, block):
                 continue
-            active, _why = plugin_manager.autoload_decision(item, block)
-            if active:
-                auto.append((item.instantiate(), item.name, item.describe()))
-            elif item.error is not None and item.name not in blocked:
+            if item.error is not None:  # one broken distribution does not stop the others
                 plugin_manager.warn_broken(item)
+            elif plugin_manager.autoload_decision(item, block)[0]:
+                auto.append((item.instantiate(), item.name, item.describe()))
         defaults = [self.strategy, *self.strategy.default_plugins(), ProgressBar()]
         builtin = [(p, plugin_manager.plugin_name(p), "built-in") for p in defaults]
         builtin = [b for b in builtin if b[1] not in user_names or b[0] is self.strategy]

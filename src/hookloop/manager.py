@@ -162,6 +162,15 @@ def discover() -> list[Installed]:
     return found
 
 
+def autoload_considered(name: str, block=()) -> bool:
+    """Whether the environment lets an installed plugin of this name autoload
+    at all (before looking at the plugin itself)."""
+    if name in blocked_names(block) or os.environ.get(ENV_DISABLE_AUTOLOAD):
+        return False
+    allow = _env_list(ENV_LOAD)
+    return allow is None or name in allow
+
+
 def autoload_decision(item: Installed, block=()) -> tuple[bool, str]:
     """Whether an installed plugin activates without being named, and why."""
     if item.name in blocked_names(block):
