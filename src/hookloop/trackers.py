@@ -16,10 +16,12 @@ class JSONLinesTracker(GeneralTracker):
     requires_logging_directory = True
     main_process_only = True
 
-    @on_main_process
+    # No @on_main_process here: it would create Accelerate's PartialState
+    # before the user's Accelerator(cpu=True, ...) and silently make a
+    # multi-process launch non-distributed. The directory appears on the
+    # first write, on the main process.
     def __init__(self, run_name: str, logging_dir: str | os.PathLike):
         super().__init__()
-        os.makedirs(logging_dir, exist_ok=True)
         self.path = os.path.join(logging_dir, f"{run_name}.jsonl")
 
     @property
@@ -35,5 +37,6 @@ class JSONLinesTracker(GeneralTracker):
         self._write({"step": step, **values})
 
     def _write(self, record):
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record, default=float) + "\n")

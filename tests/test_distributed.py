@@ -1,0 +1,41 @@
+"""Two real data-parallel processes on CPU (gloo)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def launch_two(script, *args, timeout=300):
+    """`accelerate launch --multi_gpu --num_processes 2` (``--cpu`` would
+    silently start one process); the script asks for Accelerator(cpu=True)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", "0", str(SCRIPTS / script), *map(str, args)]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.slow
+def test_two_processes_end_with_identical_parameters_and_log_once(tmp_path):
+    result = launch_two("train_two_processes.py", tmp_path)
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert [r["num_processes"] for r in ranks] == [2, 2]
+    # 64 examples, batch 8, two ranks: 4 steps per epoch each
+    assert [r["global_step"] for r in ranks] == [8, 8]
+    # 21 evaluation examples, counted once over both ranks, twice (2 epochs)
+    assert [r["eval_examples_seen"] for r in ranks] == [42, 42]
+    p0, p1 = (torch.load(tmp_path / f"params-{r}.pt") for r in (0, 1))
+    assert all(torch.equal(p0[k], p1[k]) for k in p0)
+    records = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [2, 4, 6, 8]
+    assert [r["epoch"] for r in records if "epoch" in r] == [0, 1]
+    assert result.stdout.count("step 2 loss") == 1  # the console line: main process only
