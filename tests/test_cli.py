@@ -43,3 +43,13 @@ def test_the_console_script_is_installed():
 def test_an_unknown_demo_is_refused(capsys):
     assert main(["demo", "nope"]) == 2
     assert "unknown demo 'nope'" in capsys.readouterr().err
+
+
+def test_tracing_prints_every_hook_call_with_its_plugins(monkeypatch, capsys):
+    from hookloop.testing import tiny_loop
+
+    monkeypatch.setenv("HOOKLOOP_TRACE", "1")
+    tiny_loop(n=8).fit(epochs=1)
+    err = capsys.readouterr().err
+    assert "[hookloop] training_step -> supervised" in err
+    assert "[hookloop] compute_loss -> loss" in err

@@ -43,22 +43,25 @@ def brief_optim(model, data):
     return optimizer, scheduler
 
 
-def run_by_hand(job, accumulation):
+def run_by_hand(job, accumulation, precision="no"):
     reset_accelerate()
     model, data = job()
     optimizer, scheduler = brief_optim(model, data)
-    accelerator = Accelerator(device_placement=True, gradient_accumulation_steps=accumulation)
+    accelerator = Accelerator(device_placement=True, gradient_accumulation_steps=accumulation,
+                              mixed_precision=precision)
     train_by_hand(accelerator, model, optimizer, data, scheduler, EPOCHS)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def run_hookloop(job, accumulation):
+def run_hookloop(job, accumulation, precision="no"):
     reset_accelerate()
     model, data = job()
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     optimizer, scheduler = brief_optim(model, data)
+    accelerator = Accelerator(device_placement=True, gradient_accumulation_steps=accumulation,
+                              mixed_precision=precision)
     loop = Loop(model=model, optimizer=optimizer, scheduler=scheduler, train_data=data,
-                accelerator=Accelerator(device_placement=True, gradient_accumulation_steps=accumulation))
+                accelerator=accelerator)
     loop.fit(epochs=EPOCHS)
     return initial, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -69,6 +72,16 @@ def test_default_loop_equals_hand_written_loop(job, accumulation):
     expected = run_by_hand(job, accumulation)
     initial, got = run_hookloop(job, accumulation)
     assert any(not torch.equal(initial[k], got[k]) for k in got), "training changed nothing"
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_bf16_mixed_precision_equals_the_hand_written_loop(accumulation):
+    expected = run_by_hand(bert_job, accumulation, "bf16")
+    _, got = run_hookloop(bert_job, accumulation, "bf16")
+    fp32 = run_by_hand(bert_job, accumulation)
+    assert any(not torch.equal(fp32[k], got[k]) for k in got), "bf16 changed nothing"
     for name in expected:
         assert torch.equal(expected[name], got[name]), name
 
