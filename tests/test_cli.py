@@ -53,3 +53,15 @@ def test_tracing_prints_every_hook_call_with_its_plugins(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "[hookloop] training_step -> supervised" in err
     assert "[hookloop] compute_loss -> loss" in err
+
+
+def test_demo_options_without_a_name_go_to_the_default_demo(monkeypatch):
+    import hookloop.cli as cli
+
+    seen = []
+    monkeypatch.setitem(cli.DEMOS, "gan", "digits_classifier")
+    import hookloop.examples.digits_classifier as demo
+
+    monkeypatch.setattr(demo, "main", lambda argv: seen.append(list(argv)) or 0)
+    assert cli.main(["demo", "--epochs", "3"]) == 0
+    assert seen == [["--epochs", "3"]]

@@ -37,3 +37,65 @@ def test_the_architecture_names_are_kept():
     for required in ("before_step", "after_backward", "on_epoch_end", "training_step",
                      "compute_loss", "on_exception"):
         assert required in names
+
+
+# -- the plugin-writing guide, docs/plugins.md ---------------------------------
+
+GUIDE_PATH = Path(__file__).parent.parent / "docs" / "plugins.md"
+
+
+def _docs_hooks():
+    """docs/hooks.py, the script that generates the guide's hook reference."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", GUIDE_PATH.parent / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_guide_s_hook_reference_is_generated_from_the_docstrings():
+    generator = _docs_hooks()
+    assert generator.current(GUIDE_PATH.read_text()) == generator.reference(), (
+        "docs/plugins.md's hook reference is out of date: run python docs/hooks.py")
+
+
+@pytest.mark.parametrize("hook", hook_names())
+def test_every_hook_is_in_the_plugin_guide(hook):
+    section = _docs_hooks().current(GUIDE_PATH.read_text())
+    assert f"### `{hook}(" in section, hook
+    entry = section.split(f"### `{hook}(", 1)[1].split("\n### ", 1)[0]
+    assert "(undocumented)" not in entry and "*Added in" in entry, hook
+
+
+def test_the_guide_s_worked_example_and_its_test_run(tmp_path, monkeypatch, capsys):
+    import re
+
+    import torch
+
+    from hookloop.testing import HookRecorder, reset_accelerate, tiny_loop
+
+    text = GUIDE_PATH.read_text()
+
+    def block(section):
+        body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+        (code,) = re.findall(r"```python\n(.*?)```", body, flags=re.S)
+        return code
+
+    blocks = [block("A worked example"), block("Testing a plugin")]
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(compile(blocks[0], "docs/plugins.md:example", "exec"), namespace)
+    keep_best, loop = namespace["keep_best"], namespace["loop"]
+    saved = torch.load(tmp_path / "best.pt")
+    assert saved["eval_loss"] == keep_best.best and loop.state.epoch == 6
+    # the saved weights are those that were evaluated: evaluating them again gives the saved loss
+    model = loop.networks["model"].unwrapped
+    model.load_state_dict(saved["weights"])
+    assert loop.evaluate()["eval_loss"] == pytest.approx(saved["eval_loss"], abs=1e-6)
+    assert f"epoch {saved['epoch']}: eval_loss" in capsys.readouterr().out
+
+    reset_accelerate()
+    exec(compile(blocks[1], "docs/plugins.md:test", "exec"), namespace)
+    namespace["test_keep_best_saves_the_weights_of_the_best_epoch"](
+        tiny_loop=tiny_loop, tmp_path=tmp_path, hookloop_recorder=HookRecorder())

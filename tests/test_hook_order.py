@@ -132,3 +132,34 @@ def test_user_compute_loss_runs_before_the_default_loss():
     loop.fit(epochs=1)
     assert seen == ["model"]
     assert loop.state.global_step == 1
+
+
+def test_trylast_implementations_also_run_in_list_order():
+    log = []
+
+    def plugin(tag, **opts):
+        class P:
+            name = tag
+
+            @hookimpl(**opts)
+            def on_epoch_start(self):
+                log.append(tag)
+
+        return P()
+
+    tiny_loop([plugin("A"), plugin("B"), plugin("C", trylast=True), plugin("D", trylast=True),
+               plugin("E", tryfirst=True), plugin("F", tryfirst=True)], n=8).fit(epochs=1)
+    assert log == ["E", "F", "A", "B", "C", "D"]
+
+
+def test_a_trylast_user_loss_still_beats_the_trylast_default_loss():
+    used = []
+
+    class Fallback:
+        @hookimpl(trylast=True)
+        def compute_loss(self, outputs):
+            used.append(1)
+            return outputs.sum() * 0.0
+
+    tiny_loop([Fallback()], n=8).fit(epochs=1)
+    assert used == [1]

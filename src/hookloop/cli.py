@@ -3,6 +3,7 @@
     hookloop plugins [--json]     what a Loop would load, and why
     hookloop hooks                the hook reference
     hookloop demo [NAME] [ARGS]   run a packaged example (default: the GAN demo)
+    hookloop new-plugin NAME      write a ready plugin distribution (hookloop.scaffold)
 """
 
 from __future__ import annotations
@@ -132,10 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", help=f"one of {', '.join(DEMOS)} (default {DEFAULT_DEMO})")
     p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the example")
     p.set_defaults(func=_cmd_demo)
+    from . import scaffold
+
+    scaffold.add_parser(sub)
     return parser
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"] and len(argv) > 1 and argv[1].startswith("-"):
+        argv.insert(1, DEFAULT_DEMO)  # `hookloop demo --epochs 5`: options of the default demo
     args = build_parser().parse_args(argv)
     return args.func(args)
 

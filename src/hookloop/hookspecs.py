@@ -212,8 +212,10 @@ def compute_loss(loop, network, batch, outputs):
     :param network: the :class:`~hookloop.Network` being trained
         (``network.name``, ``network.model`` ...).
     :param batch: the training batch.
-    :param outputs: the network's forward output for this batch (GAN:
-        the discriminator's logits, see :class:`hookloop.strategies.GAN`).
+    :param outputs: the network's forward output for this batch. For the
+        GAN strategy a dict: the discriminator's logits on real and fake
+        samples and the samples themselves (see
+        :mod:`hookloop.strategies.gan` for the keys of each network).
     :return: a scalar tensor.
 
     Stops at the first non-None result.

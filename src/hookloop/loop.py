@@ -16,10 +16,12 @@ from collections.abc import Mapping
 import torch
 from accelerate import Accelerator
 
+from . import checkpointing
 from . import manager as plugin_manager
+from .accelerate_fastpath import FastPath
 from .errors import HookError, PluginLoadError, PluginValidationError
 from .network import Network
-from .plugins import BUILTINS, ProgressBar
+from .plugins import BUILTINS, FiniteCheck, ProgressBar
 from .state import LoopState
 from .strategies import Supervised
 
@@ -50,6 +52,9 @@ class Loop:
         ``HOOKLOOP_BLOCK_PLUGINS``), built-in defaults included.
     :param prepare: pass the models, optimizers, schedulers and dataloaders
         through ``accelerator.prepare`` (set False if you prepared them).
+    :param resume_from: restore a checkpoint now (see :meth:`load_checkpoint`):
+        ``"latest"`` (nothing saved yet: start from scratch), a checkpoint
+        directory, or a checkpoint root (its latest).
     """
 
     def __init__(
@@ -66,6 +71,7 @@ class Loop:
         accelerator: Accelerator | None = None,
         block=(),
         prepare: bool = True,
+        resume_from=None,
     ):
         self.networks = _networks(model, optimizer, scheduler, networks)
         self.strategy = strategy if strategy is not None else Supervised()
@@ -79,8 +85,15 @@ class Loop:
         if prepare:
             self._prepare()
         self._accumulating = self.accelerator.gradient_accumulation_steps > 1
+        self._fastpath = FastPath(self.accelerator)
         self._in_guard = False
+        self._epoch_rng = None  # what this epoch's data iterator started from (for resume)
+        self._resume = None  # how to continue after load_checkpoint, used by fit
+        #: the checkpoint directory the last :meth:`load_checkpoint` restored
+        self.resumed_from = None
         _close_at_exit(self)
+        if resume_from is not None:
+            self.load_checkpoint(resume_from)
 
     # -- what plugins use -------------------------------------------------
 
@@ -124,33 +137,45 @@ class Loop:
 
     # -- training ---------------------------------------------------------
 
-    def fit(self, epochs: int | None = None, *, max_steps: int | None = None) -> dict:
+    def fit(self, epochs: int | None = None, *, max_steps: int | None = None,
+            resume_from=None) -> dict:
         """Train until ``state.epoch == epochs`` or ``state.global_step ==
         max_steps`` (exactly one of them), or until a plugin calls
         :meth:`stop`. Counts are totals over the run, so a second ``fit``
         (or a resumed one) continues where the state is.
+
+        :param resume_from: first restore this checkpoint, as
+            :meth:`load_checkpoint` does.
 
         :return: the metrics of the last completed epoch (``{}`` if none).
         """
         state = self.state
         _check_run_length(epochs, max_steps)
         _check_data(self.train_data)
+        if resume_from is not None:
+            self.load_checkpoint(resume_from)
         state.max_epochs, state.max_steps = epochs, max_steps
         state.should_stop, state.stop_reason, state.skip_batch = False, None, False
         metrics: dict = {}
         with self._guard():
             self.hook.on_fit_start(loop=self)
+            self._fastpath = FastPath(self.accelerator)  # after plugins set up
             hook = self.hook  # fixed for the run: plugins are set by now
             while not self._finished():
                 epoch = state.epoch
                 for network in self.networks.values():
                     network.model.train()
+                resume, self._resume = self._resume, None
+                if resume is not None and not state.step_in_epoch:
+                    resume.restore_now(self.train_data)  # resumed at an epoch boundary
                 if hasattr(self.train_data, "set_epoch"):
                     self.train_data.set_epoch(epoch)
                 hook.on_epoch_start(loop=self, epoch=epoch)
-                batches = self.train_data
-                if state.step_in_epoch:  # resumed mid-epoch: do not replay
-                    batches = self.accelerator.skip_first_batches(batches, state.step_in_epoch)
+                if state.step_in_epoch:  # continuing mid-epoch: same batches, none replayed
+                    batches = self._rest_of_epoch(resume)
+                else:
+                    self._epoch_rng = checkpointing.capture_epoch(self.train_data)
+                    batches = self.train_data
                 for batch in batches:
                     hook.before_step(loop=self, batch=batch)
                     state.step_in_epoch += 1
@@ -169,6 +194,49 @@ class Loop:
                     state.step_in_epoch = 0
             hook.on_fit_end(loop=self)
         return metrics
+
+    def _rest_of_epoch(self, resume):
+        """The batches of the current epoch after ``state.step_in_epoch``, in
+        the order the epoch drew: its iterator is started from the random
+        state the epoch started from, then the random state is put back
+        where the run stopped."""
+        if resume is None:  # a second fit() in this process
+            resume = checkpointing.Resume(epoch_start=self._epoch_rng, rng=checkpointing.capture_rng())
+        self._epoch_rng = resume.epoch_start
+        return resume.batches(self.accelerator, self.train_data, self.state.step_in_epoch)
+
+    def load_checkpoint(self, path="latest", *, strict: bool = True):
+        """Restore a checkpoint written by :class:`hookloop.plugins.Checkpoint`:
+        every network's model, optimizer and scheduler, every process's
+        random states, the loop position and each stateful plugin's state;
+        the next :meth:`fit` continues exactly where that run was.
+
+        Everything is checked before anything changes; a missing, foreign or
+        truncated checkpoint, one from another model shape, another number
+        of processes or another set of stateful plugins raises
+        :class:`hookloop.checkpointing.CheckpointError` naming the culprit
+        (``strict=False``: plugin mismatches only warn, naming the plugins).
+
+        :param path: ``"latest"``: the newest checkpoint in the checkpoint
+            plugin's directory (default ``<project_dir>/checkpoints``), or
+            nothing if none was ever saved there; a checkpoint directory; or
+            a checkpoint root (its newest).
+        :return: the checkpoint directory, or None (``"latest"``, none saved).
+        """
+        root = self._checkpoint_root()
+        resolved = checkpointing.resolve(path, root)
+        if resolved is None:
+            self.print(f"hookloop: no checkpoint in {root} yet: starting from scratch")
+            return None
+        self._resume = checkpointing.load(self, resolved, strict=strict)
+        self.resumed_from = resolved
+        return resolved
+
+    def _checkpoint_root(self):
+        plugin = self.plugins.get("checkpoint")
+        if plugin is not None and callable(getattr(plugin, "directory", None)):
+            return plugin.directory(self)
+        return checkpointing.default_directory(self.accelerator)
 
     def _finished(self) -> bool:
         state = self.state
@@ -265,7 +333,7 @@ class Loop:
                 plugin_manager.warn_broken(item)
             elif plugin_manager.autoload_decision(item, block)[0]:
                 auto.append((item.instantiate(), item.name, item.describe()))
-        defaults = [self.strategy, *self.strategy.default_plugins(), ProgressBar()]
+        defaults = [self.strategy, *self.strategy.default_plugins(), ProgressBar(), FiniteCheck()]
         builtin = [(p, plugin_manager.plugin_name(p), "built-in") for p in defaults]
         builtin = [b for b in builtin if b[1] not in user_names or b[0] is self.strategy]
         for plugin, name, source in [*builtin, *reversed(auto), *reversed(user)]:
@@ -309,6 +377,7 @@ class Loop:
             network.model = network.unwrapped
             network.optimizer = network.scheduler = None
         self.train_data = self.eval_data = None
+        self._fastpath.forget()
         try:
             self.accelerator.free_memory()
             self.accelerator.end_training()

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 
 import pluggy
+from pluggy._callers import _multicall
 from pluggy._hooks import varnames
 
 from . import hookspecs
@@ -278,13 +279,57 @@ class HookRelay:
 
     A hook that no plugin implements is a plain no-op function, so the
     per-step path pays nothing for it (pluggy's own call costs ~0.6 µs even
-    with no implementation). Rebuilt whenever the set of plugins changes.
+    with no implementation). A hook whose implementations are all plain (no
+    wrappers), with no call monitoring on, is a generated function that calls
+    them in pluggy's order with the arguments each one asks for, as pluggy's
+    ``_multicall`` does, at ~0.05 µs per implementation instead of ~0.3-0.5.
+    Anything else is pluggy's own caller. Replaced whenever the set of
+    plugins changes; each hook's caller is made on first use.
     """
 
     def __init__(self, pm: pluggy.PluginManager):
-        for name in hook_names():
-            caller = getattr(pm.hook, name)
-            setattr(self, name, caller if caller.get_hookimpls() else _noop)
+        self._pm = pm
+
+    def __getattr__(self, name):  # only for attributes not made yet
+        if name.startswith("_") or name not in hook_names():
+            raise AttributeError(f"{name!r} is not a hookloop hook")
+        caller = getattr(self._pm.hook, name)
+        impls = caller.get_hookimpls()
+        if not impls:
+            caller = _noop
+        elif not (
+            # monitoring (HOOKLOOP_TRACE, add_hookcall_monitoring) replaces _multicall
+            getattr(self._pm, "_inner_hookexec", None) is not _multicall
+            or any(i.wrapper or i.hookwrapper for i in impls)
+            or varnames(getattr(hookspecs, name))[1]  # spec defaults: pluggy applies them
+        ):
+            firstresult = bool(caller.spec and caller.spec.opts.get("firstresult"))
+            caller = _direct_caller(name, impls, firstresult)
+        setattr(self, name, caller)
+        return caller
+
+
+def _direct_caller(name, impls, firstresult):
+    """``f(**kwargs)`` calling ``impls`` as pluggy does: last registered first
+    (``impls`` is in pluggy's order), each with the arguments it names;
+    firstresult hooks stop at the first non-None result, the others return
+    the list of non-None results."""
+    spec_args = _spec_args(name)
+    namespace = {}
+    # keyword-only, as pluggy's callers are; extra keywords ignored, as pluggy does
+    params = ", ".join(["*", *spec_args, "**_extra"]) if spec_args else "**_extra"
+    lines = [f"def {name}({params}):"]
+    if not firstresult:
+        lines.append("    results = []")
+    for i, impl in enumerate(reversed(impls)):
+        namespace[f"impl{i}"] = impl.function
+        args = [*impl.argnames, *(f"{a}={a}" for a in impl.kwargnames if a in spec_args)]
+        lines.append(f"    result = impl{i}({', '.join(args)})")
+        lines.append("    if result is not None:")
+        lines.append("        return result" if firstresult else "        results.append(result)")
+    lines.append("    return None" if firstresult else "    return results")
+    exec(compile("\n".join(lines), f"<hookloop hook {name}>", "exec"), namespace)  # noqa: S102
+    return namespace[name]
 
 
 class PluginManager:
@@ -314,12 +359,48 @@ class PluginManager:
             )
         self.pm.register(plugin, name=name)
         self.sources[name] = source
-        self.hook = HookRelay(self.pm)
+        self._order_trylast()
+        self.refresh()
 
     def unregister(self, name: str) -> None:
         self.pm.unregister(name=name)
         self.sources.pop(name, None)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Rebuild ``hook`` (the relay caches each hook's callers): call it
+        after changing implementations or adding call monitoring by hand."""
         self.hook = HookRelay(self.pm)
+
+    def add_hookcall_monitoring(self, before, after):
+        """pluggy's ``add_hookcall_monitoring``, then :meth:`refresh`, so
+        that the monitoring sees every call. Returns the undo function."""
+        undo = self.pm.add_hookcall_monitoring(before, after)
+        self.refresh()
+
+        def undo_and_refresh():
+            undo()
+            self.refresh()
+
+        return undo_and_refresh
+
+    def _order_trylast(self) -> None:
+        """pluggy calls plain and ``tryfirst`` implementations last-registered
+        first, but ``trylast`` ones first-registered first. The loop registers
+        in reverse of the wanted call order, so put every ``trylast`` block in
+        registration order (pluggy calls a list from its end): then
+        ``trylast`` implementations too run in list order, user plugins'
+        before the built-in defaults'."""
+        order = {name: i for i, name in enumerate(self.sources)}
+        for name in hook_names():
+            impls = getattr(self.pm.hook, name)._hookimpls
+            for wrappers in (False, True):
+                positions = [i for i, impl in enumerate(impls)
+                             if impl.trylast and bool(impl.wrapper or impl.hookwrapper) == wrappers]
+                ranked = sorted((impls[i] for i in positions),
+                                key=lambda impl: order.get(impl.plugin_name, -1))
+                for i, impl in zip(positions, ranked):
+                    impls[i] = impl
 
     def names(self) -> list[str]:
         return [name for name, plugin in self.pm.list_name_plugin() if plugin is not None]

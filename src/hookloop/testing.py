@@ -8,17 +8,29 @@ plugin's test suite gets these fixtures without a conftest:
 ``tiny_loop``
     :func:`tiny_loop`, a factory for a seeded supervised loop on synthetic
     data (``tiny_loop(plugins=[...])``).
+``tiny_gan_loop``
+    :func:`tiny_gan_loop`, the same for the two-network GAN strategy
+    (``tiny_gan_loop(plugins=[...])``).
 ``fresh_accelerator``
     resets Accelerate's process-wide singletons before and after a test, so
     that an ``Accelerator(gradient_accumulation_steps=2)`` in one test does not
     leak into the next.
+``isolated_plugins``
+    no installed plugin autoloads during the test (plugins named in
+    ``plugins=[...]`` still load): a profiler or tracker someone installed
+    next to yours cannot change what your test sees. ``tiny_loop`` and
+    ``tiny_gan_loop`` use it.
 
-and, for direct use: :func:`registered` (a plugin for one block only).
+and, for direct use: :func:`registered` (a plugin for one block only),
+:func:`parameters` (a copy of a network's parameters, to compare runs),
+:func:`no_installed_plugins` (the isolation as a context manager) and the
+factories themselves.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import namedtuple
 
 import pytest
@@ -49,6 +61,10 @@ class _RecorderBase:
     def calls_of(self, hook: str) -> list[dict]:
         """The keyword arguments of every call of one hook."""
         return [c.kwargs for c in self.calls if c.hook == hook]
+
+    def count(self, hook: str) -> int:
+        """How many times one hook was called."""
+        return sum(1 for c in self.calls if c.hook == hook)
 
     def clear(self):
         self.calls.clear()
@@ -129,6 +145,70 @@ def tiny_loop(plugins=(), *, n=64, batch_size=8, features=8, classes=3, seed=0,
                 eval_data=evald, plugins=list(plugins), accelerator=accelerator, **loop_kwargs)
 
 
+def tiny_gan_loop(plugins=(), *, n=64, batch_size=16, features=2, latent_dim=4, hidden=16,
+                  seed=0, n_critic=1, lr=1e-3, accelerator=None, **loop_kwargs):
+    """A seeded :class:`hookloop.strategies.GAN` loop on synthetic data: ``n``
+    points of a mixture of 4 Gaussians in ``features`` dimensions, a generator
+    MLP ``latent_dim -> features`` and a discriminator MLP ``features -> 1``
+    (one logit), both with Adam. Networks are named ``"generator"`` and
+    ``"discriminator"``; batches are ``(samples,)`` tuples. The progress bar
+    is blocked."""
+    import torch
+    from accelerate.utils import set_seed
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from .loop import Loop
+    from .network import Network
+    from .strategies import GAN
+
+    set_seed(seed)
+    centers = torch.randn(4, features) * 2
+    data = centers[torch.randint(0, 4, (n,))] + 0.1 * torch.randn(n, features)
+
+    def mlp(i, o):
+        return torch.nn.Sequential(torch.nn.Linear(i, hidden), torch.nn.LeakyReLU(0.2),
+                                   torch.nn.Linear(hidden, o))
+
+    G, D = mlp(latent_dim, features), mlp(features, 1)
+    networks = {
+        "generator": Network(G, torch.optim.Adam(G.parameters(), lr=lr, betas=(0.5, 0.999))),
+        "discriminator": Network(D, torch.optim.Adam(D.parameters(), lr=lr, betas=(0.5, 0.999))),
+    }
+    train = DataLoader(TensorDataset(data), batch_size=batch_size, shuffle=True)
+    loop_kwargs.setdefault("block", ["progress"])
+    return Loop(networks=networks, strategy=GAN(latent_dim=latent_dim, n_critic=n_critic),
+                train_data=train, plugins=list(plugins), accelerator=accelerator, **loop_kwargs)
+
+
+def parameters(loop, network="model") -> list:
+    """A detached copy of one network's parameters, in ``named_parameters``
+    order: compare two runs with ``all(torch.equal(a, b) for a, b in zip(...))``."""
+    return [p.detach().clone() for p in loop.networks[network].unwrapped.parameters()]
+
+
+#: environment variables that decide which installed plugins autoload
+_PLUGIN_ENV = ("HOOKLOOP_DISABLE_PLUGIN_AUTOLOAD", "HOOKLOOP_LOAD_PLUGINS", "HOOKLOOP_BLOCK_PLUGINS")
+
+
+@contextlib.contextmanager
+def no_installed_plugins():
+    """Within the block, installed plugins do not autoload and nothing is
+    blocked by the environment; plugins named in ``plugins=[...]`` still
+    load. The environment is restored afterwards."""
+    saved = {k: os.environ.get(k) for k in _PLUGIN_ENV}
+    os.environ["HOOKLOOP_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    os.environ.pop("HOOKLOOP_LOAD_PLUGINS", None)
+    os.environ.pop("HOOKLOOP_BLOCK_PLUGINS", None)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 # -- the pytest plugin ------------------------------------------------------
 
 
@@ -144,6 +224,20 @@ def hookloop_recorder():
     return HookRecorder()
 
 
+@pytest.fixture
+def isolated_plugins():
+    """No installed plugin autoloads during the test (see :func:`no_installed_plugins`)."""
+    with no_installed_plugins():
+        yield
+
+
 @pytest.fixture(name="tiny_loop")
-def tiny_loop_fixture(fresh_accelerator):
+def tiny_loop_fixture(fresh_accelerator, isolated_plugins):
+    """:func:`tiny_loop`, with fresh Accelerate state and no autoloaded plugins."""
     return tiny_loop
+
+
+@pytest.fixture(name="tiny_gan_loop")
+def tiny_gan_loop_fixture(fresh_accelerator, isolated_plugins):
+    """:func:`tiny_gan_loop`, with fresh Accelerate state and no autoloaded plugins."""
+    return tiny_gan_loop

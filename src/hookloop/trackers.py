@@ -39,4 +39,13 @@ class JSONLinesTracker(GeneralTracker):
     def _write(self, record):
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record, default=float) + "\n")
+            f.write(json.dumps(record, default=_plain) + "\n")
+
+
+def _plain(value):
+    """JSON for what ``json`` does not know: numbers (tensors, numpy) as
+    floats, anything else (paths, dtypes) as its string."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)

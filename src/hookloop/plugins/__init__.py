@@ -4,16 +4,22 @@
 ``("name", {options})``) to the class.
 """
 
+from .checkpoint import Checkpoint
+from .finite import FiniteCheck, NonFiniteLoss
 from .gradclip import GradClip
 from .logger import Logger
 from .loss import DefaultLoss
 from .progress import ProgressBar
+from .sample_grid import SampleGrid
 
 BUILTINS = {
+    "checkpoint": Checkpoint,
+    "finite": FiniteCheck,
     "gradclip": GradClip,
     "logger": Logger,
     "loss": DefaultLoss,
     "progress": ProgressBar,
+    "samples": SampleGrid,
 }
 
-__all__ = ["BUILTINS", "DefaultLoss", "GradClip", "Logger", "ProgressBar"]
+__all__ = ["BUILTINS", "Checkpoint", "FiniteCheck", "NonFiniteLoss", "DefaultLoss", "GradClip", "Logger", "ProgressBar", "SampleGrid"]

@@ -80,7 +80,11 @@ class Logger:
 
     def _end(self, loop):
         if self._started_trackers:
-            loop.accelerator.end_training()
+            # not accelerator.end_training(): it also destroys the process
+            # group, and a later evaluate() or fit() in several processes
+            # then fails at its first collective
+            for tracker in loop.accelerator.trackers:
+                tracker.finish()
             self._started_trackers = False
 
 

@@ -4,6 +4,7 @@ networks it needs (``check_networks``) and brings its default plugins
 (``default_plugins``, e.g. its default loss)."""
 
 from .base import StepOutput
+from .gan import GAN, GANLoss
 from .supervised import Supervised
 
-__all__ = ["StepOutput", "Supervised"]
+__all__ = ["GAN", "GANLoss", "StepOutput", "Supervised"]

@@ -22,6 +22,12 @@ def check_loss(loss, network, loop):
         )
 
 
+def backward(loop, loss):
+    """``loop.accelerator.backward(loss)``, without the work Accelerate would
+    repeat on every call for nothing (see :mod:`hookloop.accelerate_fastpath`)."""
+    loop._fastpath.backward(loss)
+
+
 def update(loop, network):
     """Optimizer step, scheduler step and ``zero_grad`` for one network, each
     between its hooks, exactly as the hand-written Accelerate loop does them.
@@ -32,11 +38,12 @@ def update(loop, network):
     actually happens.
     """
     hook = loop.hook
+    fast = loop._fastpath  # optimizer.step() / zero_grad() without Accelerate's per-call lookups
     sync = loop.accelerator.sync_gradients
     optimizer, scheduler = network.optimizer, network.scheduler
     if sync:
         hook.before_optimizer_step(loop=loop, network=network)
-    optimizer.step()
+    fast.step(optimizer)
     if sync:
         hook.after_optimizer_step(loop=loop, network=network)
     if scheduler is not None:
@@ -47,6 +54,6 @@ def update(loop, network):
             hook.after_scheduler_step(loop=loop, network=network)
     if sync:
         hook.before_zero_grad(loop=loop, network=network)
-    optimizer.zero_grad()
+    fast.zero_grad(optimizer)
     if sync:
         hook.after_zero_grad(loop=loop, network=network)

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from ..batches import forward, logits_of, loss_of, targets_of
 from ..markers import hookimpl
 from ..plugins.loss import DefaultLoss
-from .base import StepOutput, check_loss, update
+from .base import StepOutput, backward, check_loss, update
 
 
 class Supervised:
@@ -40,7 +40,7 @@ class Supervised:
             loss = hook.compute_loss(loop=loop, network=network, batch=batch, outputs=outputs)
             check_loss(loss, network, loop)
             hook.before_backward(loop=loop, network=network, loss=loss)
-            loop.accelerator.backward(loss)
+            backward(loop, loss)
             hook.after_backward(loop=loop, network=network)
             update(loop, network)
         return StepOutput(outputs, loss)

@@ -1,0 +1,333 @@
+"""hookloop's overhead against the hand-written Accelerate loop (and plain PyTorch).
+
+    python benchmarks/overhead.py                 # the full table, a few minutes
+    python benchmarks/overhead.py --quick         # a smoke run: few steps, 1 repeat
+    python benchmarks/overhead.py --out table.md  # also write the table to a file
+    python benchmarks/overhead.py --device cuda --workloads bert
+
+Method (see benchmarks/README.md):
+
+- every measurement is a fresh process (``python overhead.py --worker ...``),
+  with ``torch.set_num_threads(1)``, the same seed, the same data;
+- per repeat, every variant of a workload runs once, in an order that
+  alternates (A B C, C B A, A B C, ...), so that slow drift of a shared
+  machine's load falls on every variant alike;
+- a process trains ``1 + N`` epochs; the first is a warm-up; its time per step
+  is the median over the N timed epochs;
+- a variant's time is the median over repeats; a ratio is the median over
+  repeats of that repeat's ratio;
+- peak memory is the process's peak resident set size (``ru_maxrss``): what
+  the machine has to provide, imports included; on CUDA also
+  ``torch.cuda.max_memory_allocated``;
+- "params ==" compares a SHA-256 of the final parameters' bytes with the
+  hand-written loop's, in every repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+#: variants per workload; "hand" is the reference of every ratio
+WORKLOADS = {
+    "mlp": ["plain", "hand", "hookloop", "hookloop-nofast", "hookloop-log", "hookloop-noop10"],
+    "bert": ["plain", "hand", "hookloop", "hookloop-nofast"],
+    "gan": ["plain", "hand", "hookloop", "hookloop-nofast"],
+}
+#: the smoke run exercises every code path, not every comparison
+QUICK_WORKLOADS = {
+    "mlp": ["plain", "hand", "hookloop", "hookloop-log", "hookloop-noop10"],
+    "bert": ["hand", "hookloop"],
+    "gan": ["hand", "hookloop"],
+}
+LABELS = {
+    "plain": "plain PyTorch",
+    "hand": "hand-written Accelerate",
+    "hookloop": "hookloop, defaults",
+    "hookloop-nofast": "hookloop, defaults, fast path off",
+    "hookloop-log": "hookloop + Logger(every=50) + progress bar",
+    "hookloop-noop10": "hookloop + 10 no-op plugins",
+}
+
+
+# -- one measurement (a fresh process) ----------------------------------------------
+
+
+def worker(workload: str, variant: str, device: str, quick: bool, clock: str, result: str) -> None:
+    import resource
+
+    import torch
+
+    torch.set_num_threads(1)
+    import workloads as W
+
+    if variant != "plain":  # plain PyTorch: Accelerate not even imported
+        from accelerate import Accelerator
+    if variant.startswith("hookloop"):
+        import hookloop  # noqa: F401 - imported before the memory baseline
+
+    W.seed_everything(0)
+    work = W.Workload(workload, quick)
+    rss_before = _rss_mib()  # imports done, model and data built
+    clock = W.EpochClock(device, clock)
+    started = time.perf_counter()
+    plugins = None
+    if variant == "plain":
+        models = W.run_plain(work, clock, device)
+    else:
+        accelerator = Accelerator(cpu=device == "cpu")
+        if variant == "hand":
+            models = W.run_hand(work, clock, accelerator)
+        else:
+            models, plugins = W.run_hookloop(work, clock, accelerator, variant)
+    wall = time.perf_counter() - started
+    timed = clock.seconds[W.WARMUP_EPOCHS:]
+    steps = work.batches
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    out = {
+        "us_per_step": statistics.median(t / steps * 1e6 for t in timed),
+        "epochs_timed": len(timed),
+        "steps_per_epoch": steps,
+        "peak_rss_mib": peak,
+        "training_rss_mib": peak - rss_before,
+        "cuda_peak_mib": (
+            torch.cuda.max_memory_allocated() / 2**20 if torch.device(device).type == "cuda" else None
+        ),
+        "params": W.params_digest(models),
+        "wall_s": wall,
+        "plugins": plugins,
+    }
+    Path(result).write_text(json.dumps(out))
+
+
+def _rss_mib() -> float:
+    """The resident set size now (Linux), else 0."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def measure(workload, variant, device, quick, clock, tmp) -> dict:
+    """Run one worker process and return what it measured."""
+    import workloads as W
+
+    Path(tmp).mkdir(parents=True, exist_ok=True)
+    result = Path(tmp) / f"{workload}-{variant}.json"
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    # installed plugins that autoload would make the numbers depend on the machine
+    env["HOOKLOOP_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    env.update(W.VARIANTS.get(variant, {}).get("env", {}))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", workload, variant,
+           "--device", device, "--clock", clock, "--result", str(result)]
+    cmd += ["--quick"] if quick else []
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{workload}/{variant} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+        )
+    return json.loads(result.read_text())
+
+
+# -- the table ----------------------------------------------------------------------
+
+
+def run_all(workloads, repeats, device, quick, clock, jobs=1, log=print) -> dict:
+    """``{workload: {variant: [result per repeat]}}``, interleaved; with
+    ``jobs > 1`` (smoke runs only) several processes at once."""
+    tasks = []
+    for workload, variants in workloads.items():
+        for r in range(repeats):
+            order = variants if r % 2 == 0 else list(reversed(variants))
+            tasks += [(workload, variant, r) for variant in order]
+    results = {w: {v: [None] * repeats for v in variants} for w, variants in workloads.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+
+        def one(task):
+            workload, variant, r = task
+            res = measure(workload, variant, device, quick, clock, Path(tmp) / str(r))
+            results[workload][variant][r] = res
+            log(f"  {workload:4} {variant:16} repeat {r + 1}/{repeats}: "
+                f"{res['us_per_step']:9.1f} µs/step")
+
+        if jobs > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(jobs) as pool:
+                list(pool.map(one, tasks))
+        else:
+            for task in tasks:
+                one(task)
+    return results
+
+
+def _median_of(runs, ref, f):
+    """Median over repeats of ``f(run, reference run)``."""
+    return statistics.median(f(a, b) for a, b in zip(runs, ref))
+
+
+def _row(variant, runs, hand, plain, cuda):
+    us = statistics.median(r["us_per_step"] for r in runs)
+    twin = hand is not None and variant != "hand"
+    row = [LABELS[variant], f"{us:.1f}"]
+    for ref, is_ref in ((hand, variant == "hand"), (plain, variant == "plain")):
+        row.append(f"{_median_of(runs, ref, lambda a, b: a['us_per_step'] / b['us_per_step']):.3f}"
+                   if ref is not None and not is_ref else "—")
+    row.append(f"{statistics.median(r['peak_rss_mib'] for r in runs):.1f}")
+    if twin:
+        base = statistics.median(h["peak_rss_mib"] for h in hand)
+        extra = _median_of(runs, hand, lambda a, b: a["peak_rss_mib"] - b["peak_rss_mib"])
+        train = _median_of(runs, hand, lambda a, b: a["training_rss_mib"] - b["training_rss_mib"])
+        row += [f"{extra:+.1f} ({extra / base:+.1%})", f"{train:+.1f}"]
+        if cuda:
+            row.append(f"{_median_of(runs, hand, lambda a, b: a['cuda_peak_mib'] - b['cuda_peak_mib']):+.2f}")
+        same = sum(a["params"] == b["params"] for a, b in zip(runs, hand))
+        row.append(("yes" if same == len(runs) else "**NO**") + f" ({same}/{len(runs)})")
+    else:
+        row += ["—", "—"] + (["—"] if cuda else []) + ["—"]
+    return row
+
+
+def table(results, device, repeats, quick, clock) -> str:
+    """The markdown table, one block per workload."""
+    lines = []
+    for workload, by_variant in results.items():
+        hand, plain = by_variant.get("hand"), by_variant.get("plain")
+        first = next(iter(by_variant.values()))[0]
+        cuda = first["cuda_peak_mib"] is not None
+        lines.append(
+            f"\n**{workload}** ({first['steps_per_epoch']} steps/epoch × {first['epochs_timed']} "
+            f"timed epochs, {repeats} repeat(s), {device}, {clock} time)\n"
+        )
+        head = ["variant", "µs/step", "× hand-written", "× plain", "peak RSS MiB",
+                "extra peak vs hand", "extra in training MiB"]
+        head += ["extra CUDA peak MiB"] if cuda else []
+        head += ["params == hand"]
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "|".join(["---"] + ["---:"] * (len(head) - 2) + [":---:"]) + "|")
+        for variant, runs in by_variant.items():
+            lines.append("| " + " | ".join(_row(variant, runs, hand, plain, cuda)) + " |")
+        if "hookloop" in by_variant:
+            lines.append(f"\nhookloop, defaults: plugins {', '.join(by_variant['hookloop'][0]['plugins'])}")
+        noop, base = by_variant.get("hookloop-noop10"), by_variant.get("hookloop")
+        if noop and base:
+            per = _median_of(noop, base, lambda a, b: (a["us_per_step"] - b["us_per_step"]) / 10)
+            lines.append(f"\nno-op plugins: {per:.2f} µs per plugin per step "
+                         "(each implements every hook and takes all its arguments)")
+    note = (
+        "\nµs/step: median over repeats of each process's median epoch; × ratios: median of "
+        "per-repeat ratios. Peak RSS: ru_maxrss of the whole process (imports included); "
+        "extra in training: the same, less the RSS before training (imports done, model and "
+        "data built). hookloop defaults: Loop(model, optimizer, scheduler, train_data) as a "
+        "user gets it, with the built-in default plugins listed under each table (the "
+        "progress bar is silent: tqdm turns it off when stderr is not a terminal); "
+        "installed-plugin autoload off."
+    )
+    if quick:
+        note += " QUICK RUN: too few steps for the numbers to mean anything."
+    return "\n".join(lines) + "\n" + note + "\n"
+
+
+def machine() -> str:
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    import accelerate
+
+    try:
+        import hookloop
+        hv = hookloop.__version__
+    except ImportError:
+        hv = "?"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"{cpu} ({os.cpu_count()} cores){gpu}; torch {torch.__version__}, accelerate "
+            f"{accelerate.__version__}, hookloop {hv}, Python {platform.python_version()}; "
+            f"load average at start {load:.2f}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="few steps, 1 repeat: a smoke run")
+    parser.add_argument("--repeats", type=int, default=None, help="default 5 (quick: 1)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    parser.add_argument("--clock", choices=["cpu", "wall"], default=None,
+                        help="time per step as process CPU time (default on cpu: robust to "
+                             "a shared machine's load) or wall time (default, and forced, on cuda)")
+    parser.add_argument("--workloads", default=None,
+                        help=f"comma-separated subset of {','.join(WORKLOADS)}")
+    parser.add_argument("--out", default=None, help="also write the table (markdown) here")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="processes at once (default 1; quick: 2). Timings need 1.")
+    parser.add_argument("--worker", nargs=2, metavar=("WORKLOAD", "VARIANT"), help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.clock is None or args.device != "cpu":
+        args.clock = "cpu" if args.device == "cpu" else "wall"
+    if args.worker:
+        worker(*args.worker, args.device, args.quick, args.clock, args.result)
+        return 0
+
+    chosen = QUICK_WORKLOADS if args.quick else WORKLOADS
+    if args.workloads:
+        names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+        unknown = [w for w in names if w not in WORKLOADS]
+        if unknown:
+            parser.error(f"unknown workload(s) {unknown}; choose from {list(WORKLOADS)}")
+        chosen = {w: chosen[w] for w in names}
+    chosen = {w: [v for v in vs if _available(w, v)] for w, vs in chosen.items()}
+    repeats = args.repeats or (1 if args.quick else 5)
+    header = f"hookloop overhead benchmark — {machine()}"
+    print(header, file=sys.stderr)
+    started = time.perf_counter()
+    jobs = args.jobs or (2 if args.quick else 1)
+    results = run_all(chosen, repeats, args.device, args.quick, args.clock, jobs,
+                      log=lambda s: print(s, file=sys.stderr))
+    text = f"{header}\n" + table(results, args.device, repeats, args.quick, args.clock)
+    print(text)
+    print(f"(took {time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+def _available(workload, variant) -> bool:
+    """Skip what this checkout cannot run yet, saying so."""
+    if workload == "gan" and variant.startswith("hookloop"):
+        try:
+            from hookloop.strategies import GAN  # noqa: F401
+        except ImportError:
+            print("note: hookloop.strategies.GAN not found: GAN hookloop variants skipped",
+                  file=sys.stderr)
+            return False
+    return True
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""Checkpoints every N steps and/or every epoch, and a clean stop on SIGTERM."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+from .. import checkpointing
+from ..markers import hookimpl
+from ..preemption import DEFAULT_SIGNALS, Preempted, SignalWatcher, signal_name
+
+
+class Checkpoint:
+    """Save the whole run with ``accelerator.save_state`` (see
+    :mod:`hookloop.checkpointing` for what a checkpoint holds), atomically,
+    keeping the newest ``keep_last``; resume with ``Loop(...,
+    resume_from="latest")``.
+
+    :param every_steps: save after every N-th global step (None: never
+        mid-epoch). Under gradient accumulation a save waits for the end of
+        the accumulation group: partial gradients are not saved.
+    :param every_epoch: save at the end of every epoch, after its evaluation
+        and the other plugins' ``on_epoch_end`` (this hook is ``trylast``).
+    :param keep_last: how many checkpoints to keep (None: all).
+    :param dir: the checkpoint root; default
+        ``<accelerator.project_dir>/checkpoints`` (``./checkpoints`` without a
+        project directory).
+    :param on_exception: also save an emergency checkpoint
+        (``emergency-step-N``) when training raises. It may be taken in the
+        middle of a step, so ``latest`` never names it and it is not rotated;
+        one process only (with several, an error on one rank cannot be saved
+        without the others).
+    :param signals: the signals that stop training cleanly (None or ``()``:
+        leave signal handling alone). The current optimizer step finishes, a
+        checkpoint is saved, ``on_exception`` hooks run and
+        :class:`~hookloop.preemption.Preempted` is raised: uncaught, the
+        process exits with status 75 (``PREEMPTED_EXIT_CODE``).
+    :param signal_check_every: with several processes, agree on a stop
+        every N steps (one all-reduce of an int on a CPU group, ~0.1-0.3 ms
+        on a 2-core machine); one process checks its flag every step, for
+        free.
+
+    Every fit also ends with a checkpoint of its final position, unless one
+    was just saved there (or it ended inside an accumulation group). A run
+    starting from scratch in a directory that holds another run's
+    checkpoints is refused (they would be replaced and rotated away).
+
+    Saving costs ~50 ms for a tiny MLP, ~0.35 s for a 10.5M-parameter MLP
+    with Adam (126 MB), most of it fsync.
+    """
+
+    name = "checkpoint"
+
+    def __init__(self, every_steps=None, every_epoch=True, keep_last=3, dir=None,
+                 on_exception=False, signals=DEFAULT_SIGNALS, signal_check_every=10):
+        for label, value in (("every_steps", every_steps), ("keep_last", keep_last)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"Checkpoint: {label} must be a positive int or None, got {value!r}")
+        if not isinstance(signal_check_every, int) or signal_check_every < 1:
+            raise ValueError(f"Checkpoint: signal_check_every must be a positive int, got {signal_check_every!r}")
+        self.every_steps = every_steps
+        self.every_epoch = bool(every_epoch)
+        self.keep_last = keep_last
+        self.dir = Path(dir) if dir is not None else None
+        self.on_exception_save = bool(on_exception)
+        self.signal_check_every = signal_check_every
+        #: records the stop signal; ``watcher.received`` is this process's flag
+        self.watcher = SignalWatcher(signals) if signals else None
+        #: the directory of the last checkpoint this plugin wrote
+        self.last_saved: Path | None = None
+        self._due = False
+        self._stop = None
+        self._saved_position = None
+        self._ready = False  # on_fit_start checked the directory
+
+    def directory(self, loop) -> Path:
+        """The checkpoint root for ``loop``."""
+        return self.dir if self.dir is not None else checkpointing.default_directory(loop.accelerator)
+
+    # -- hooks -----------------------------------------------------------------
+
+    @hookimpl
+    def on_fit_start(self, loop):
+        root = self.directory(loop)
+        error = None
+        if loop.accelerator.is_main_process:
+            try:
+                checkpointing.check_writable(root)
+                checkpointing.clean(root)
+                _check_not_someone_elses(loop, root)
+                _warn_newer(loop, root)
+            except checkpointing.CheckpointError as exc:
+                error = str(exc)
+        checkpointing._all_ok(loop.accelerator, error)  # every rank fails, none waits
+        self._due = False
+        self._stop = None
+        if self._saved_position is None and loop.resumed_from is not None:
+            self._saved_position = loop.state.state_dict()  # where the resumed checkpoint is
+        if self.watcher is not None:
+            self.watcher.install()
+        self._ready = True
+
+    @hookimpl(trylast=True)
+    def after_step(self, loop):
+        acc = loop.accelerator
+        step = loop.state.global_step
+        if self.every_steps and step % self.every_steps == 0:
+            self._due = True
+        if self.watcher is not None and self._stop is None:
+            if acc.num_processes == 1 or step % self.signal_check_every == 0:
+                self._stop = self.watcher.agreed(acc)
+        if not acc.sync_gradients:
+            return  # mid accumulation group: .grad holds a partial step that no checkpoint keeps
+        if self._stop is not None:
+            self._preempted(loop, self._save(loop, "preempted"))
+        if self._due and not (self.every_epoch and acc.gradient_state.end_of_dataloader):
+            self._save(loop, "every_steps")  # (at the epoch's last batch on_epoch_end saves)
+
+    @hookimpl(trylast=True)
+    def on_epoch_end(self, loop):
+        if self.watcher is not None and self._stop is None:
+            self._stop = self.watcher.agreed(loop.accelerator)  # e.g. during the evaluation
+        if self.every_epoch or self._due or self._stop is not None:
+            path = self._save(loop, "preempted" if self._stop is not None else "epoch_end", epoch_end=True)
+            if self._stop is not None:
+                self._preempted(loop, path)
+
+    @hookimpl(trylast=True)  # after the other plugins' end-of-fit work, which it saves
+    def on_fit_end(self, loop):
+        try:
+            if loop.accelerator.sync_gradients and self._saved_position != loop.state.state_dict():
+                self._save(loop, "fit_end")
+        finally:
+            pending = self.watcher.received if self.watcher is not None else None
+            self._uninstall()
+        if pending is not None:
+            # too late to stop training, which is over: hand the signal to
+            # whatever handled it before the fit
+            import signal
+
+            signal.raise_signal(pending)
+
+    @hookimpl
+    def on_exception(self, loop, exception):
+        try:
+            if (self.on_exception_save and self._ready and isinstance(exception, Exception)
+                    and not _poisoned(exception)):
+                self._emergency(loop, exception)
+        finally:
+            self._uninstall()
+
+    # -- work --------------------------------------------------------------------
+
+    def _save(self, loop, reason, epoch_end=False) -> Path:
+        position = loop.state.state_dict()
+        if epoch_end:
+            position.update(epoch=position["epoch"] + 1, step_in_epoch=0)
+        if position == self._saved_position:
+            return self.last_saved
+        finite = loop.plugins.get("finite")
+        if finite is not None and callable(getattr(finite, "check", None)):
+            finite.check(loop)  # never publish a checkpoint of a run whose loss went NaN
+        self.last_saved = checkpointing.save(
+            loop, self.directory(loop), reason=reason, epoch_end=epoch_end, keep_last=self.keep_last
+        )
+        self._saved_position = position
+        self._due = False
+        return self.last_saved
+
+    def _preempted(self, loop, path):
+        step = loop.state.global_step
+        loop.print(
+            f"hookloop: {signal_name(self._stop)} received: saved {path} after step {step}; "
+            f"exiting with status {Preempted(self._stop, step).code}",
+            file=sys.stderr,
+        )
+        raise Preempted(self._stop, step, path)
+
+    def _emergency(self, loop, exception):
+        if loop.accelerator.num_processes > 1:
+            warnings.warn(
+                "Checkpoint(on_exception=True): no emergency checkpoint with several processes "
+                "(the other ranks cannot join a save from an error on one)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        name = "emergency-" + checkpointing.checkpoint_name(loop.state.global_step)
+        try:
+            path = checkpointing.save(loop, self.directory(loop), reason="exception", name=name,
+                                      update_latest=False)
+        except Exception as exc:  # noqa: BLE001 - the original error matters more
+            warnings.warn(f"Checkpoint: emergency checkpoint failed: {exc}", RuntimeWarning, stacklevel=2)
+            return
+        loop.print(f"hookloop: {type(exception).__name__} during training: emergency checkpoint "
+                   f"{path} (may be mid-step: resume from it explicitly)", file=sys.stderr)
+
+    def _uninstall(self):
+        self._ready = False
+        if self.watcher is not None:
+            self.watcher.uninstall()
+
+
+def _check_not_someone_elses(loop, root):
+    """A run starting from scratch next to another run's checkpoints would
+    overwrite them, and rotation would delete them: refuse."""
+    if loop.state.global_step or loop.resumed_from is not None:
+        return  # continuing: this run's own directory
+    found = checkpointing.list_checkpoints(root)
+    if found:
+        raise checkpointing.CheckpointError(
+            f"{str(root)!r} already holds checkpoints of a run ({', '.join(p.name for p in found[-3:])}) "
+            "and this run starts from scratch: its checkpoints would replace them. Continue that "
+            "run with resume_from='latest', or give Checkpoint(dir=...) another directory."
+        )
+
+
+def _warn_newer(loop, root):
+    """Resumed from an older checkpoint: the newer ones belong to a timeline
+    this run abandons, and will be replaced or rotated away as it saves."""
+    if loop.resumed_from is None or loop.resumed_from.parent.resolve() != root.resolve():
+        return
+    mine = checkpointing._sort_key(loop.resumed_from) if checkpointing._NAME.match(
+        loop.resumed_from.name) else None
+    newer = [p.name for p in checkpointing.list_checkpoints(root)
+             if mine is not None and checkpointing._sort_key(p) > mine]
+    if newer:
+        warnings.warn(
+            f"Checkpoint: resumed from {loop.resumed_from.name}, but {root} also holds newer "
+            f"checkpoints ({', '.join(newer)}) of the run that went on from there: this run's "
+            "checkpoints will replace them, and rotation may delete them",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def _poisoned(exception) -> bool:
+    """A non-finite loss: the parameters are not worth saving."""
+    from .finite import NonFiniteLoss
+
+    seen = exception
+    while seen is not None:
+        if isinstance(seen, NonFiniteLoss):
+            return True
+        seen = seen.__cause__
+    return False

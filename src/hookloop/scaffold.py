@@ -1,0 +1,206 @@
+"""``hookloop new-plugin NAME``: write a ready plugin distribution.
+
+::
+
+    hookloop new-plugin demo-thing            # writes ./hookloop-demo-thing/
+    pip install ./hookloop-demo-thing
+    pytest hookloop-demo-thing/tests
+
+The distribution has a ``pyproject.toml`` declaring the entry point
+(group ``hookloop``, name ``NAME``), a module with one documented hook
+implementation, a README and a test written with :mod:`hookloop.testing`
+that passes as generated. Users switch the plugin on with
+``Loop(plugins=["NAME"])``.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from . import __version__
+
+#: lower-case words joined by single hyphens: a valid entry-point, distribution
+#: and (with underscores) module name
+NAME_PATTERN = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
+
+#: names a user's ``plugins=["name"]`` would resolve to something else
+RESERVED = {"supervised", "gan", "recorder"}
+
+
+def names(name: str) -> dict:
+    """The distribution, module, class and entry-point names for ``name``,
+    or ``ValueError`` saying what a valid name is."""
+    if not NAME_PATTERN.match(name or ""):
+        raise ValueError(
+            f"plugin name {name!r}: use lower-case letters and digits, words joined by "
+            "single hyphens, starting with a letter (e.g. 'demo-thing')"
+        )
+    from .plugins import BUILTINS
+
+    if name in BUILTINS or name in RESERVED:
+        raise ValueError(f"plugin name {name!r} is taken by a built-in plugin: choose another")
+    module = "hookloop_" + name.replace("-", "_")
+    return {
+        "name": name,
+        "distribution": f"hookloop-{name}",
+        "module": module,
+        "cls": "".join(part.capitalize() for part in name.split("-")),
+        "test": f"test_{name.replace('-', '_')}.py",
+        "hookloop_version": __version__,
+    }
+
+
+PYPROJECT = '''\
+[build-system]
+requires = ["setuptools>=77"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "{distribution}"
+version = "0.1.0"
+description = "A hookloop plugin: {name}."
+readme = "README.md"
+requires-python = ">=3.10"
+dependencies = ["hookloop>={hookloop_version}"]
+
+# hookloop finds the plugin here; users switch it on with Loop(plugins=["{name}"])
+[project.entry-points.hookloop]
+{name} = "{module}:{cls}"
+
+[tool.setuptools.packages.find]
+where = ["src"]
+
+[tool.pytest.ini_options]
+testpaths = ["tests"]
+'''
+
+MODULE = '''\
+"""{cls}: a hookloop plugin.
+
+Switch it on with ``Loop(..., plugins=["{name}"])``, with options
+``Loop(..., plugins=[("{name}", {{"every": 10}})])``, or in code
+``Loop(..., plugins=[{cls}(every=10)])``.
+"""
+
+from hookloop import hookimpl
+
+__version__ = "0.1.0"
+
+
+class {cls}:
+    """Record the training loss every ``every`` steps.
+
+    :param every: steps between two records (reading a loss waits for the
+        GPU, so not every step).
+
+    ``self.losses`` holds ``(global_step, loss)`` pairs.
+    """
+
+    #: the name users give in plugins=[...], also the entry point's name
+    name = "{name}"
+    #: set ``autoload = True`` only if the plugin merely observes (a tracker, a
+    #: profiler): it then acts as soon as it is installed. A plugin that changes
+    #: training must wait to be named.
+    autoload = False
+
+    def __init__(self, every=10):
+        self.every = every
+        self.losses = []
+
+    @hookimpl
+    def after_step(self, loop, loss):
+        """Called after every trained batch (see ``hookloop hooks``): a hook
+        implementation takes only the hook arguments it needs, by name."""
+        step = loop.state.global_step
+        if step % self.every == 0:
+            self.losses.append((step, loss.item()))
+            loop.print(f"{name}: step {{step}} loss {{self.losses[-1][1]:.4f}}")  # main process only
+'''
+
+TEST = '''\
+"""Tests for {distribution}, with hookloop's kit (``hookloop.testing``, a
+pytest plugin: its fixtures need no import). Install first:
+``pip install ./{distribution}``, then ``pytest {distribution}/tests``."""
+
+from {module} import {cls}
+
+
+def test_records_the_loss_every_n_steps(tiny_loop, hookloop_recorder):
+    plugin = {cls}(every=2)
+    loop = tiny_loop([plugin, hookloop_recorder])  # 64 examples, batches of 8
+    loop.fit(epochs=1)
+    assert [step for step, _ in plugin.losses] == [2, 4, 6, 8]
+    # the losses are those the loop passed to after_step at those steps
+    seen = [call["loss"].item() for call in hookloop_recorder.calls_of("after_step")]
+    assert [loss for _, loss in plugin.losses] == seen[1::2]
+
+
+def test_installed_it_acts_only_when_named(tiny_loop):
+    loop = tiny_loop([("{name}", {{"every": 4}})])
+    assert isinstance(loop.plugins.get("{name}"), {cls})
+    assert loop.plugins.get("{name}").every == 4
+    assert "{name}" not in tiny_loop().plugins.names()
+'''
+
+README = '''\
+# {distribution}
+
+A [hookloop](https://pypi.org/project/hookloop/) plugin: records the training loss every
+`every` steps.
+
+```bash
+pip install ./{distribution}
+```
+
+```python
+loop = Loop(..., plugins=["{name}"])                    # or [("{name}", {{"every": 10}})]
+```
+
+Installing it changes nothing until it is named in `plugins=[...]`; `hookloop plugins`
+lists it. Tests: `pytest {distribution}/tests` (after installing).
+'''
+
+
+def write(name: str, directory=".") -> Path:
+    """Write the distribution for ``name`` under ``directory``; return its
+    folder. Refuses to overwrite an existing folder."""
+    n = names(name)
+    root = Path(directory) / n["distribution"]
+    if root.exists():
+        raise FileExistsError(f"{root} already exists: remove it or choose another --dir")
+    files = {
+        "pyproject.toml": PYPROJECT,
+        "README.md": README,
+        f"src/{n['module']}/__init__.py": MODULE,
+        f"tests/{n['test']}": TEST,
+    }
+    for rel, template in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(template.format(**n))
+    return root
+
+
+def add_parser(sub) -> None:
+    """Add ``new-plugin`` to the ``hookloop`` command's subcommands."""
+    p = sub.add_parser("new-plugin", help="write a ready plugin distribution")
+    p.add_argument("name", help="the plugin's name, e.g. demo-thing (lower case, hyphens)")
+    p.add_argument("--dir", default=".", help="where to write hookloop-NAME/ (default: here)")
+    p.set_defaults(func=_cmd_new_plugin)
+
+
+def _cmd_new_plugin(args) -> int:
+    try:
+        root = write(args.name, args.dir)
+    except ValueError as exc:
+        print(f"hookloop new-plugin: {exc}", file=sys.stderr)
+        return 2
+    except FileExistsError as exc:
+        print(f"hookloop new-plugin: {exc}", file=sys.stderr)
+        return 1
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        print(f"wrote {path}")
+    print(f"next: pip install {root} && pytest {root / 'tests'}")
+    return 0

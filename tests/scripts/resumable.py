@@ -1,0 +1,194 @@
+"""A resumable run for the kill-and-resume tests (tests/test_resume_kill.py,
+tests/test_preemption.py, tests/test_resume_distributed.py).
+
+    python resumable.py OUT [--strategy supervised|gan] [--accum K] [--epochs E]
+                            [--every-steps N] [--pause WHERE] [--signal-check-every N]
+
+Trains (shuffled data, dropout, a warm-up schedule, gradient accumulation K)
+with ``Checkpoint(dir=OUT/checkpoints, every_steps=N)`` and
+``resume_from="latest"``, then the main process writes OUT/params.pt, every
+network's final parameters. Works alone or under ``accelerate launch
+--multi_gpu --num_processes 2`` (``Accelerator(cpu=True)``).
+
+``--pause`` stops the run at an exact point so the test can kill it there;
+the script writes OUT/paused-<rank> (its pid, where) and sleeps until killed:
+
+``step:K``
+    in step K's ``after_step``, before its checkpoint would be written;
+``save:STAGE:K``
+    inside the save of the checkpoint after step K: ``write`` (Accelerate's
+    files written, hookloop's not), ``publish`` (complete in ``.tmp-<name>``,
+    not renamed), ``latest`` (renamed, ``latest`` not yet updated);
+``signal:K``
+    in step K, before its backward pass, until a signal arrives (the test
+    sends it); then the run goes on;
+``selfterm:K:R``
+    rank R sends itself SIGTERM in step K's ``after_step`` and goes on.
+
+When stopped by a signal, each rank writes OUT/preempted-<rank>.json
+(the step it stopped after, the checkpoint) before exiting with status 75.
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch.optim.lr_scheduler import LambdaLR
+from torch.utils.data import DataLoader, TensorDataset
+
+from hookloop import Loop, Network, hookimpl
+from hookloop import checkpointing
+from hookloop.plugins import Checkpoint, GradClip
+from hookloop.preemption import Preempted
+
+
+def pause_here(out, rank, what, until=None):
+    (out / f"paused-{rank}").write_text(json.dumps({"pid": os.getpid(), "at": what}))
+    deadline = time.monotonic() + 120  # the test kills us long before
+    while time.monotonic() < deadline:
+        if until is not None and until():
+            return
+        time.sleep(0.01)
+    sys.exit(f"resumable.py: nobody came to kill the paused run ({what})")
+
+
+class Pauser:
+    """Holds the run at the point --pause names."""
+
+    name = "pauser"
+
+    def __init__(self, spec, out, checkpoint):
+        self.kind, *rest = spec.split(":") if spec else ("", )
+        self.args = rest
+        self.out = out
+        self.checkpoint = checkpoint
+
+    @hookimpl
+    def before_backward(self, loop, network):
+        if self.kind == "signal" and loop.state.global_step + 1 == int(self.args[0]):
+            if network.name == next(iter(loop.networks)):
+                rank = loop.accelerator.process_index
+                pause_here(self.out, rank, "signal",
+                           until=lambda: self.checkpoint.watcher.received is not None)
+
+    @hookimpl
+    def after_step(self, loop):
+        step = loop.state.global_step
+        rank = loop.accelerator.process_index
+        if self.kind == "step" and step == int(self.args[0]):
+            pause_here(self.out, rank, f"step {step}")
+        if self.kind == "selfterm" and step == int(self.args[0]) and rank == int(self.args[1]):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def pause_in_save(stage, step, out, rank):
+    """Wrap the checkpointing function of ``stage`` to hold the save of
+    step ``step`` there."""
+    target = {"write": "_write_rank_file", "publish": "_publish", "latest": "_point_latest"}[stage]
+    original = getattr(checkpointing, target)
+
+    def held(*args, **kwargs):
+        name = str(args[-1] if stage == "latest" else args[0])
+        if f"step-{step:08d}" in name:
+            pause_here(out, rank, f"save {stage} {step}")
+        return original(*args, **kwargs)
+
+    setattr(checkpointing, target, held)
+
+
+def mlp(i, o, dropout):
+    return torch.nn.Sequential(torch.nn.Linear(i, 16), torch.nn.ReLU(), torch.nn.Dropout(dropout),
+                               torch.nn.Linear(16, o))
+
+
+def warmup(optimizer, total):
+    return LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4) * max(0.1, 1 - s / total))
+
+
+def build(args, accelerator, plugins):
+    set_seed(0)
+    if args.strategy == "gan":
+        from hookloop.strategies import GAN
+
+        angles = torch.rand(128) * 6.2832
+        real = torch.stack([angles.cos(), angles.sin()], 1) * 2 + 0.05 * torch.randn(128, 2)
+        data = DataLoader(TensorDataset(real), batch_size=16, shuffle=True)
+        G, D = mlp(4, 2, 0.0), mlp(2, 1, 0.2)
+        opt_g = torch.optim.Adam(G.parameters(), lr=2e-3)
+        opt_d = torch.optim.Adam(D.parameters(), lr=2e-3)
+        total = args.epochs * len(data)
+        networks = {"generator": Network(G, opt_g, warmup(opt_g, total)),
+                    "discriminator": Network(D, opt_d, warmup(opt_d, total))}
+        return Loop(networks=networks, strategy=GAN(latent_dim=4), train_data=data,
+                    plugins=plugins, accelerator=accelerator, block=["progress"],
+                    resume_from="latest")
+    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))
+    data = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
+    model = mlp(8, 3, 0.2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scheduler = warmup(optimizer, args.epochs * len(data))
+    return Loop(model=model, optimizer=optimizer, scheduler=scheduler, train_data=data,
+                plugins=plugins, accelerator=accelerator, block=["progress"],
+                resume_from="latest")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--strategy", default="supervised", choices=["supervised", "gan"])
+    parser.add_argument("--accum", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--every-steps", type=int, default=3)
+    parser.add_argument("--signal-check-every", type=int, default=10)
+    parser.add_argument("--pause", default="")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accum)
+    rank = accelerator.process_index
+    if args.pause.startswith("save:"):
+        _, stage, step = args.pause.split(":")
+        pause_in_save(stage, int(step), args.out, rank)
+    checkpoint = Checkpoint(dir=args.out / "checkpoints", every_steps=args.every_steps,
+                            keep_last=3, signal_check_every=args.signal_check_every)
+    plugins = [GradClip(max_norm=1.0), checkpoint, Pauser(args.pause, args.out, checkpoint)]
+    loop = build(args, accelerator, plugins)
+    start = loop.state.global_step
+    try:
+        loop.fit(epochs=args.epochs)
+    except Preempted as stop:
+        (args.out / f"preempted-{rank}.json").write_text(json.dumps({
+            "step": stop.global_step, "code": stop.code, "checkpoint": str(stop.checkpoint),
+            "signal": int(stop.signal), "started_at": start,
+        }))
+        accelerator.wait_for_everyone()
+        loop.close()
+        raise
+    if accelerator.is_main_process:
+        torch.save({f"{name}.{k}": v.detach().clone()
+                    for name, net in loop.networks.items()
+                    for k, v in net.unwrapped.state_dict().items()}, args.out / "params.pt")
+        (args.out / "run.json").write_text(json.dumps({
+            "started_at": start, "resumed_from": str(loop.resumed_from),
+            "global_step": loop.state.global_step, "num_processes": accelerator.num_processes,
+        }))
+    loop.close()
+
+
+def child(argv, log):
+    """Entry point of a forked run (tests/scripts/runner.py): output to ``log``."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    main(argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""hookloop.accelerate_fastpath: Accelerate's per-step calls without the lookups
+Accelerate repeats on every call, and bit for bit the same training."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import accelerate.optimizer
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader, TensorDataset
+
+from handwritten import train_by_hand
+from hookloop import Loop, hookimpl
+from hookloop import accelerate_fastpath as fastpath
+from hookloop.testing import reset_accelerate
+
+EPOCHS = 2
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def job():
+    """10 batches per epoch: with accumulation 3 the last group is partial."""
+    set_seed(0)
+    x, y = torch.randn(80, 12), torch.randint(0, 4, (80,))
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                torch.nn.Linear(32, 4))
+    data = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / (EPOCHS * 10))
+    return model, optimizer, data, scheduler
+
+
+def params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def by_hand(**accelerator_kwargs):
+    reset_accelerate()
+    model, optimizer, data, scheduler = job()
+    train_by_hand(Accelerator(**accelerator_kwargs), model, optimizer, data, scheduler, EPOCHS)
+    return params(model)
+
+
+@pytest.fixture
+def accelerate_lookups(monkeypatch):
+    """Counts the package lookup ``AcceleratedOptimizer.step`` repeats on every
+    call (twice per call): zero means Accelerate's step was not run."""
+    calls = []
+    original = accelerate.optimizer.is_lomo_available
+
+    def counting():
+        calls.append(1)
+        return original()
+
+    monkeypatch.setattr(accelerate.optimizer, "is_lomo_available", counting)
+    return calls
+
+
+def with_hookloop(accelerator_class=Accelerator, plugins=(), **accelerator_kwargs):
+    reset_accelerate()
+    model, optimizer, data, scheduler = job()
+    initial = params(model)
+    loop = Loop(model=model, optimizer=optimizer, scheduler=scheduler, train_data=data,
+                accelerator=accelerator_class(**accelerator_kwargs),
+                plugins=list(plugins), block=["progress"])
+    loop.fit(epochs=EPOCHS)
+    got = params(model)
+    assert any(not torch.equal(a, b) for a, b in zip(initial, got)), "training changed nothing"
+    return got, loop
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_the_installed_accelerate_is_the_verified_one():
+    found = {name: fastpath.fingerprint(f) for name, f in (
+        ("AcceleratedOptimizer.step", AcceleratedOptimizer.step),
+        ("AcceleratedOptimizer.zero_grad", AcceleratedOptimizer.zero_grad),
+        ("Accelerator.backward", Accelerator.backward),
+    )}
+    assert fastpath.accelerate_verified(), (
+        f"accelerate {accelerate.__version__}: {found} is not in VERIFIED, so hookloop pays "
+        "Accelerate's per-call cost again. Check the new code against FastPath, then add "
+        "the fingerprints to hookloop.accelerate_fastpath.VERIFIED."
+    )
+
+
+@pytest.mark.parametrize("accumulation", [1, 3])
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_trains_bit_for_bit_like_the_hand_written_loop_without_accelerates_lookups(
+    precision, accumulation, accelerate_lookups
+):
+    kwargs = dict(mixed_precision=precision, gradient_accumulation_steps=accumulation)
+    expected = by_hand(**kwargs)
+    assert accelerate_lookups, "the hand-written loop runs AcceleratedOptimizer.step"
+    accelerate_lookups.clear()
+    got, loop = with_hookloop(**kwargs)
+    assert same(expected, got)
+    assert accelerate_lookups == []  # every step went through the fast path
+    assert loop._fastpath.is_fast(loop.networks["model"].optimizer)
+    # the loss is divided by the accumulation steps: Accelerate's own backward
+    assert loop._fastpath.plain_backward == (accumulation == 1)
+
+
+def test_bf16_really_changes_the_numbers():
+    """So that the bf16 parity above compares mixed-precision training."""
+    assert not same(by_hand(mixed_precision="bf16"), by_hand())
+
+
+def test_switched_off_by_the_environment(monkeypatch, accelerate_lookups):
+    monkeypatch.setenv(fastpath.ENV, "0")
+    got, loop = with_hookloop()
+    assert not loop._fastpath.enabled
+    assert len(accelerate_lookups) == 2 * EPOCHS * 10  # two per AcceleratedOptimizer.step
+    assert same(by_hand(), got)
+
+
+def test_accelerate_code_other_than_the_verified_gets_accelerates_own_calls(
+    monkeypatch, accelerate_lookups
+):
+    monkeypatch.setitem(fastpath.VERIFIED, "AcceleratedOptimizer.zero_grad", {"0" * 16})
+    got, loop = with_hookloop()
+    assert not loop._fastpath.enabled
+    assert accelerate_lookups
+    assert same(by_hand(), got)
+
+
+def test_a_method_replaced_on_accelerates_class_turns_it_off(monkeypatch):
+    calls = []
+    original = AcceleratedOptimizer.step
+
+    def step(self, closure=None):
+        calls.append(1)
+        return original(self, closure)
+
+    monkeypatch.setattr(AcceleratedOptimizer, "step", step)
+    got, loop = with_hookloop()
+    assert not loop._fastpath.enabled
+    assert len(calls) == EPOCHS * 10
+
+
+class WrapOptimizer:
+    """Wraps the prepared optimizer's step and zero_grad at fit start, as a
+    profiling or step-counting plugin would."""
+
+    def __init__(self):
+        self.steps = self.zero_grads = 0
+
+    @hookimpl
+    def on_fit_start(self, loop):
+        optimizer = loop.networks["model"].optimizer
+        step, zero_grad = optimizer.step, optimizer.zero_grad
+
+        def counted_step(*args, **kwargs):
+            self.steps += 1
+            return step(*args, **kwargs)
+
+        def counted_zero_grad(*args, **kwargs):
+            self.zero_grads += 1
+            return zero_grad(*args, **kwargs)
+
+        optimizer.step, optimizer.zero_grad = counted_step, counted_zero_grad
+
+
+def test_a_plugin_that_wraps_the_optimizer_step_sees_every_call():
+    wrapper = WrapOptimizer()
+    got, loop = with_hookloop(plugins=[wrapper])
+    assert (wrapper.steps, wrapper.zero_grads) == (EPOCHS * 10, EPOCHS * 10)
+    assert not loop._fastpath.is_fast(loop.networks["model"].optimizer)
+    assert same(by_hand(), got)
+
+
+class CountingAccelerator(Accelerator):
+    calls = 0
+
+    def backward(self, loss, **kwargs):
+        CountingAccelerator.calls += 1
+        super().backward(loss, **kwargs)
+
+
+def test_an_accelerator_subclass_keeps_its_own_backward():
+    CountingAccelerator.calls = 0
+    got, loop = with_hookloop(accelerator_class=CountingAccelerator)
+    assert CountingAccelerator.calls == EPOCHS * 10
+    assert not loop._fastpath.plain_backward
+
+
+def test_an_optimizer_with_a_gradient_scaler_gets_accelerates_step():
+    """fp16 (a GPU's case): the scaler must unscale, check for inf and update."""
+    reset_accelerate()
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(3, 1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    optimizer = AcceleratedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler=scaler)
+    fast = fastpath.FastPath(accelerator)
+    assert fast.enabled and not fast.is_fast(optimizer)
+    scaler.scale(model(torch.ones(1, 3)).sum() * float("inf")).backward()
+    before = params(model)
+    fast.step(optimizer)  # the scaler sees the inf gradient: no step, smaller scale
+    assert optimizer.step_was_skipped
+    assert same(before, params(model))
+    assert scaler.get_scale() < 4.0
+
+
+@pytest.mark.slow
+def test_two_processes_train_bit_for_bit_like_the_hand_written_loop(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", "0", str(SCRIPTS / "fastpath_two_processes.py"), str(tmp_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert report["num_processes"] == 2
+        for accumulation in ("1", "2"):
+            r = report[accumulation]
+            assert r["ddp"] == "DistributedDataParallel"
+            assert r["trained"] and r["equal_to_hand"] and r["ranks_agree"], (rank, accumulation, r)
+            assert r["fast_step"] and r["accelerate_lookups"] == 0
+            assert r["plain_backward"] == (accumulation == "1")

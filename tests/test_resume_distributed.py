@@ -1,0 +1,87 @@
+"""Kill, preempt and resume a run of two data-parallel processes on CPU."""
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import runner  # noqa: E402
+
+# 64 examples, batch 8, two ranks: 4 steps an epoch; optimizer steps on even steps
+ARGS = ("--strategy", "supervised", "--accum", "2", "--epochs", "4", "--every-steps", "3",
+        "--signal-check-every", "2")
+
+
+def finish(process):
+    output = process.communicate(timeout=runner.PATIENCE_S)[0]
+    assert process.returncode == 0, output[-4000:]
+    return output
+
+
+def kill_when_paused(process, out):
+    """Once both ranks hold at their pause, SIGKILL them and the launcher."""
+    markers = [out / "paused-0", out / "paused-1"]
+    while not all(m.exists() for m in markers):
+        assert process.poll() is None, process.communicate()[0][-4000:]
+        time.sleep(0.05)
+    for m in markers:  # torchrun may start the ranks in sessions of their own
+        os.kill(json.loads(m.read_text())["pid"], signal.SIGKILL)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.communicate(timeout=runner.PATIENCE_S)
+
+
+@pytest.mark.slow
+def test_two_processes_killed_then_preempted_on_one_rank_end_equal(tmp_path):
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    finish(runner.launch_two(ref, *ARGS))
+    assert json.loads((ref / "run.json").read_text())["num_processes"] == 2
+    reference = runner.params(ref)
+
+    out = tmp_path / "run"
+    out.mkdir()
+    # 1. both ranks held in step 7; kill the launcher and both ranks with SIGKILL
+    kill_when_paused(runner.launch_two(out, *ARGS, "--pause", "step:7"), out)
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000006"
+
+    # 2. resumed at 6; only rank 1 gets SIGTERM, in step 9: the ranks agree
+    # at the next check (every 2 steps) and both stop after step 10
+    process = runner.launch_two(out, *ARGS, "--pause", "selfterm:9:1")
+    output = process.communicate(timeout=runner.PATIENCE_S)[0]
+    assert process.returncode != 0, output[-4000:]
+    stops = [json.loads((out / f"preempted-{r}.json").read_text()) for r in (0, 1)]
+    assert [s["started_at"] for s in stops] == [6, 6]
+    assert [s["step"] for s in stops] == [10, 10], output[-4000:]
+    assert [s["code"] for s in stops] == [75, 75]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000010"
+    doc = json.loads((out / "checkpoints" / "step-00000010" / "hookloop.json").read_text())
+    assert doc["num_processes"] == 2 and doc["reason"] == "preempted"
+    assert {"random_states_0.pkl", "random_states_1.pkl", "hookloop-rank0.safetensors",
+            "hookloop-rank1.safetensors"} <= set(doc["files"])
+
+    # 3. resumed at 10: ends where the uninterrupted two-process run ends
+    finish(runner.launch_two(out, *ARGS))
+    run = json.loads((out / "run.json").read_text())
+    assert run["started_at"] == 10 and run["num_processes"] == 2 and run["global_step"] == 16
+    assert runner.same(runner.params(out), reference) == []
+
+
+@pytest.mark.slow
+def test_a_two_process_gan_killed_mid_epoch_ends_equal(tmp_path):
+    args = ("--strategy", "gan", "--accum", "1", "--epochs", "2", "--every-steps", "3")
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    finish(runner.launch_two(ref, *args))
+    out = tmp_path / "run"
+    out.mkdir()
+    kill_when_paused(runner.launch_two(out, *args, "--pause", "step:7"), out)  # 4 steps an epoch
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000006"
+    finish(runner.launch_two(out, *args))
+    run = json.loads((out / "run.json").read_text())
+    assert run["started_at"] == 6 and run["num_processes"] == 2 and run["global_step"] == 8
+    assert runner.same(runner.params(out), runner.params(ref)) == []

@@ -1,0 +1,96 @@
+"""Kill -9 a training process at several points, resume each time: the run
+ends bit for bit where the uninterrupted run ends (supervised and GAN).
+
+The runs are tests/scripts/resumable.py (shuffled data, dropout, a warm-up
+schedule, gradient accumulation), forked from a preloaded server
+(tests/scripts/runner.py) so that a dozen processes stay affordable.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import runner  # noqa: E402
+
+SUPERVISED = ("--strategy", "supervised", "--accum", "2", "--epochs", "3", "--every-steps", "3")
+GAN = ("--strategy", "gan", "--accum", "1", "--epochs", "2", "--every-steps", "3")
+
+
+def latest(out):
+    return (out / "checkpoints" / "latest").read_text().strip()
+
+
+def saved(out):
+    return sorted(p.name for p in (out / "checkpoints").iterdir() if p.name != "latest")
+
+
+def manifest(out, name):
+    return json.loads((out / "checkpoints" / name / "hookloop.json").read_text())
+
+
+def kill_at(out, args, pause):
+    run = runner.Run(out, *args, "--pause", pause, name=pause.replace(":", "-"))
+    run.wait_paused()
+    run.kill()
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted runs' final parameters."""
+    out = {}
+    for label, args in (("supervised", SUPERVISED), ("gan", GAN)):
+        path = tmp_path_factory.mktemp(f"reference-{label}")
+        out[label] = runner.Run(path, *args).finish()
+    return out
+
+
+def test_supervised_run_killed_four_times_ends_bit_for_bit_equal(tmp_path, reference):
+    # 8 batches an epoch, accumulation 2 (optimizer steps on even steps),
+    # a checkpoint every 3 steps (held to the end of the accumulation group,
+    # and at an epoch's last batch left to the epoch-end checkpoint)
+    kill_at(tmp_path, SUPERVISED, "step:7")  # mid-epoch, mid accumulation group
+    assert latest(tmp_path) == "step-00000006"
+
+    kill_at(tmp_path, SUPERVISED, "save:write:10")  # Accelerate's files half written
+    assert latest(tmp_path) == "step-00000008-epoch-end"
+    assert not (tmp_path / "checkpoints" / ".tmp-step-00000010" / "hookloop.json").exists()
+
+    kill_at(tmp_path, SUPERVISED, "save:latest:12")  # renamed into place, latest not updated
+    assert latest(tmp_path) == "step-00000010"
+    assert manifest(tmp_path, "step-00000012")["loop"]["global_step"] == 12  # complete
+
+    kill_at(tmp_path, SUPERVISED, "save:publish:18")  # complete, not yet renamed
+    assert latest(tmp_path) == "step-00000016-epoch-end"
+    assert (tmp_path / "checkpoints" / ".tmp-step-00000018" / "hookloop.json").exists()
+    assert saved(tmp_path) == [".tmp-step-00000018", "step-00000010", "step-00000012",
+                               "step-00000016-epoch-end"]  # keep_last=3
+
+    final = runner.Run(tmp_path, *SUPERVISED, name="final").finish()
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["started_at"] == 16 and run["global_step"] == 24
+    assert runner.same(final, reference["supervised"]) == []
+    assert saved(tmp_path) == ["step-00000018", "step-00000022", "step-00000024-epoch-end"]
+
+
+def test_gan_run_killed_twice_ends_bit_for_bit_equal(tmp_path, reference):
+    kill_at(tmp_path, GAN, "step:5")  # mid-epoch
+    assert latest(tmp_path) == "step-00000003"
+    kill_at(tmp_path, GAN, "save:publish:9")  # resumed at 3; killed in the save after step 9
+    assert latest(tmp_path) == "step-00000008-epoch-end"
+    assert manifest(tmp_path, "step-00000008-epoch-end")["plugins"]["gan"]["d_updates"] == 8
+
+    final = runner.Run(tmp_path, *GAN, name="final").finish()
+    assert json.loads((tmp_path / "run.json").read_text())["started_at"] == 8
+    assert runner.same(final, reference["gan"]) == []
+
+
+def test_the_comparison_is_sharp(tmp_path, reference):
+    """A run one epoch shorter ends elsewhere: equality above means something."""
+    shorter = [*SUPERVISED]
+    shorter[shorter.index("--epochs") + 1] = "2"
+    params = runner.Run(tmp_path, *shorter).finish()
+    assert runner.same(params, reference["supervised"]) != []
