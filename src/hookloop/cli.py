@@ -34,7 +34,8 @@ def plugin_rows(block=()) -> list[dict]:
 
     blocked = plugin_manager.blocked_names(block)
     rows = []
-    defaults = {"supervised": Supervised, "loss": BUILTINS["loss"], "progress": BUILTINS["progress"]}
+    defaults = {"supervised": Supervised, "loss": BUILTINS["loss"], "progress": BUILTINS["progress"],
+                "finite": BUILTINS["finite"]}
     for name, cls in {**defaults, **BUILTINS}.items():
         if any(r["name"] == name for r in rows):
             continue
