@@ -1,11 +1,11 @@
 """hookloop's overhead against the hand-written Accelerate loop (and plain PyTorch).
 
-    python benchmarks/overhead.py                 # the full table, a few minutes
+    python benchmarks/overhead.py                 # the full table, ~5 minutes on 2 cores
     python benchmarks/overhead.py --quick         # a smoke run: few steps, 1 repeat
     python benchmarks/overhead.py --out table.md  # also write the table to a file
     python benchmarks/overhead.py --device cuda --workloads bert
 
-Method (see benchmarks/README.md):
+Method (more in benchmarks/README.md):
 
 - every measurement is a fresh process (``python overhead.py --worker ...``),
   with ``torch.set_num_threads(1)``, the same seed, the same data;
@@ -13,12 +13,14 @@ Method (see benchmarks/README.md):
   alternates (A B C, C B A, A B C, ...), so that slow drift of a shared
   machine's load falls on every variant alike;
 - a process trains ``1 + N`` epochs; the first is a warm-up; its time per step
-  is the median over the N timed epochs;
+  is the median over the N timed epochs, read as process CPU time on the CPU
+  (robust to other programs' load) and as wall time after a device sync on
+  CUDA (``--clock`` chooses);
 - a variant's time is the median over repeats; a ratio is the median over
-  repeats of that repeat's ratio;
+  repeats of that repeat's ratio, with the lowest and highest shown;
 - peak memory is the process's peak resident set size (``ru_maxrss``): what
-  the machine has to provide, imports included; on CUDA also
-  ``torch.cuda.max_memory_allocated``;
+  the machine has to provide, imports included; "in training" subtracts the
+  RSS before training; on CUDA also ``torch.cuda.max_memory_allocated``;
 - "params ==" compares a SHA-256 of the final parameters' bytes with the
   hand-written loop's, in every repeat.
 """
@@ -40,9 +42,13 @@ HERE = Path(__file__).resolve().parent
 #: variants per workload; "hand" is the reference of every ratio
 WORKLOADS = {
     "mlp": ["plain", "hand", "hookloop", "hookloop-nofast", "hookloop-log", "hookloop-noop10"],
-    "bert": ["plain", "hand", "hookloop", "hookloop-nofast"],
+    # the fast path saves ~0.1 ms of a 25 ms step here: not worth the minute
+    "bert": ["plain", "hand", "hookloop"],
     "gan": ["plain", "hand", "hookloop", "hookloop-nofast"],
+    # the loops' own cost in µs; not in the default run (--workloads empty)
+    "empty": ["plain", "hand", "hookloop", "hookloop-nofast"],
 }
+DEFAULT = ("mlp", "bert", "gan")
 #: the smoke run exercises every code path, not every comparison
 QUICK_WORKLOADS = {
     "mlp": ["plain", "hand", "hookloop", "hookloop-log", "hookloop-noop10"],
@@ -65,9 +71,14 @@ LABELS = {
 def worker(workload: str, variant: str, device: str, quick: bool, clock: str, result: str) -> None:
     import resource
 
+    deterministic = device.startswith("cuda") and os.environ.get("BENCH_NONDETERMINISTIC") != "1"
+    if deterministic:  # else GPU kernels that add up in a varying order hide bitwise equality
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
 
     torch.set_num_threads(1)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
     import workloads as W
 
     if variant != "plain":  # plain PyTorch: Accelerate not even imported
@@ -76,7 +87,7 @@ def worker(workload: str, variant: str, device: str, quick: bool, clock: str, re
         import hookloop  # noqa: F401 - imported before the memory baseline
 
     W.seed_everything(0)
-    work = W.Workload(workload, quick)
+    work = W.Workload(workload, quick, deterministic)
     rss_before = _rss_mib()  # imports done, model and data built
     clock = W.EpochClock(device, clock)
     started = time.perf_counter()
@@ -90,7 +101,7 @@ def worker(workload: str, variant: str, device: str, quick: bool, clock: str, re
         else:
             models, plugins = W.run_hookloop(work, clock, accelerator, variant)
     wall = time.perf_counter() - started
-    timed = clock.seconds[W.WARMUP_EPOCHS:]
+    timed = clock.seconds[work.warmup:]
     steps = work.batches
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     out = {
@@ -182,8 +193,12 @@ def _row(variant, runs, hand, plain, cuda):
     twin = hand is not None and variant != "hand"
     row = [LABELS[variant], f"{us:.1f}"]
     for ref, is_ref in ((hand, variant == "hand"), (plain, variant == "plain")):
-        row.append(f"{_median_of(runs, ref, lambda a, b: a['us_per_step'] / b['us_per_step']):.3f}"
-                   if ref is not None and not is_ref else "—")
+        if ref is None or is_ref:
+            row.append("—")
+            continue
+        ratios = [a["us_per_step"] / b["us_per_step"] for a, b in zip(runs, ref)]
+        spread = f" ({min(ratios):.2f}–{max(ratios):.2f})" if len(ratios) > 1 else ""
+        row.append(f"{statistics.median(ratios):.3f}{spread}")
     row.append(f"{statistics.median(r['peak_rss_mib'] for r in runs):.1f}")
     if twin:
         base = statistics.median(h["peak_rss_mib"] for h in hand)
@@ -227,13 +242,17 @@ def table(results, device, repeats, quick, clock) -> str:
                          "(each implements every hook and takes all its arguments)")
     note = (
         "\nµs/step: median over repeats of each process's median epoch; × ratios: median of "
-        "per-repeat ratios. Peak RSS: ru_maxrss of the whole process (imports included); "
+        "per-repeat ratios (lowest–highest). Peak RSS: ru_maxrss of the whole process (imports included); "
         "extra in training: the same, less the RSS before training (imports done, model and "
         "data built). hookloop defaults: Loop(model, optimizer, scheduler, train_data) as a "
         "user gets it, with the built-in default plugins listed under each table (the "
         "progress bar is silent: tqdm turns it off when stderr is not a terminal); "
         "installed-plugin autoload off."
     )
+    if device.startswith("cuda"):
+        note += (" CUDA: deterministic kernels (torch.use_deterministic_algorithms, "
+                 "CUBLAS_WORKSPACE_CONFIG, eager BERT attention) in every variant, so that "
+                 "parameters can be compared bit for bit; --nondeterministic turns that off.")
     if quick:
         note += " QUICK RUN: too few steps for the numbers to mean anything."
     return "\n".join(lines) + "\n" + note + "\n"
@@ -269,14 +288,18 @@ def machine() -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="few steps, 1 repeat: a smoke run")
-    parser.add_argument("--repeats", type=int, default=None, help="default 5 (quick: 1)")
+    parser.add_argument("--repeats", type=int, default=None, help="default 6 (quick: 1)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     parser.add_argument("--clock", choices=["cpu", "wall"], default=None,
                         help="time per step as process CPU time (default on cpu: robust to "
                              "a shared machine's load) or wall time (default, and forced, on cuda)")
     parser.add_argument("--workloads", default=None,
-                        help=f"comma-separated subset of {','.join(WORKLOADS)}")
+                        help=f"comma-separated, from {','.join(WORKLOADS)} "
+                             f"(default {','.join(DEFAULT)})")
     parser.add_argument("--out", default=None, help="also write the table (markdown) here")
+    parser.add_argument("--nondeterministic", action="store_true",
+                        help="on CUDA, keep the default (non-deterministic) kernels: faster, "
+                             "but parameters may then differ between any two runs")
     parser.add_argument("--jobs", type=int, default=None,
                         help="processes at once (default 1; quick: 2). Timings need 1.")
     parser.add_argument("--worker", nargs=2, metavar=("WORKLOAD", "VARIANT"), help=argparse.SUPPRESS)
@@ -289,19 +312,27 @@ def main(argv=None) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.clock is None or args.device != "cpu":
         args.clock = "cpu" if args.device == "cpu" else "wall"
+    if args.nondeterministic:
+        os.environ["BENCH_NONDETERMINISTIC"] = "1"  # the workers read it
     if args.worker:
         worker(*args.worker, args.device, args.quick, args.clock, args.result)
         return 0
 
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no CUDA device here")
     chosen = QUICK_WORKLOADS if args.quick else WORKLOADS
+    names = DEFAULT
     if args.workloads:
         names = [w.strip() for w in args.workloads.split(",") if w.strip()]
         unknown = [w for w in names if w not in WORKLOADS]
         if unknown:
             parser.error(f"unknown workload(s) {unknown}; choose from {list(WORKLOADS)}")
-        chosen = {w: chosen[w] for w in names}
+    chosen = {w: chosen.get(w, WORKLOADS[w]) for w in names}
     chosen = {w: [v for v in vs if _available(w, v)] for w, vs in chosen.items()}
-    repeats = args.repeats or (1 if args.quick else 5)
+    repeats = args.repeats or (1 if args.quick else 6)
     header = f"hookloop overhead benchmark — {machine()}"
     print(header, file=sys.stderr)
     started = time.perf_counter()

@@ -25,17 +25,18 @@ import time
 import torch
 import torch.nn.functional as F
 
-#: what each workload trains on; ``quick`` shrinks it for the smoke test
+#: what each workload trains on; ``quick`` shrinks it for the smoke test. The
+#: first ``warmup`` epochs are not timed (BERT's steps keep speeding up for two).
 SIZES = {
     # a step of a few hundred µs on one CPU thread: overhead dominates
-    "mlp": dict(batches=100, batch_size=32, epochs=12, quick_batches=8, quick_epochs=2),
+    "mlp": dict(batches=100, batch_size=32, epochs=12, warmup=1, quick_batches=8, quick_epochs=2),
     # a realistic step: a 2-layer BERT from a BertConfig, batch 8, 64 tokens
-    "bert": dict(batches=16, batch_size=8, epochs=5, quick_batches=2, quick_epochs=2),
+    "bert": dict(batches=8, batch_size=8, epochs=10, warmup=2, quick_batches=2, quick_epochs=2),
     # two small MLPs, a generator and a discriminator
-    "gan": dict(batches=100, batch_size=32, epochs=12, quick_batches=8, quick_epochs=2),
+    "gan": dict(batches=100, batch_size=32, epochs=12, warmup=1, quick_batches=8, quick_epochs=2),
+    # a near-empty step (a 2x2 weight is the model's output): the loops' own cost
+    "empty": dict(batches=200, batch_size=2, epochs=12, warmup=2, quick_batches=8, quick_epochs=2),
 }
-#: the first epoch of every run is a warm-up and is not timed
-WARMUP_EPOCHS = 1
 
 MLP_FEATURES, MLP_HIDDEN, MLP_CLASSES = 32, 64, 4
 BERT_SEQ, BERT_VOCAB = 64, 1000
@@ -48,12 +49,13 @@ GAN_LATENT, GAN_DATA, GAN_HIDDEN = 16, 32, 64
 class Workload:
     """Everything one run needs; built after ``set_seed`` in a fresh process."""
 
-    def __init__(self, name, quick):
+    def __init__(self, name, quick, deterministic=False):
         self.name = name
         size = SIZES[name]
         self.batches = size["quick_batches"] if quick else size["batches"]
         self.batch_size = size["batch_size"]
         self.epochs = size["quick_epochs"] if quick else size["epochs"]
+        self.warmup = 1 if quick else size["warmup"]
         n = self.batches * self.batch_size
         if name == "mlp":
             self.models = {"model": _mlp(MLP_FEATURES, MLP_HIDDEN, MLP_CLASSES)}
@@ -61,8 +63,11 @@ class Workload:
                 torch.randn(n, MLP_FEATURES), torch.randint(0, MLP_CLASSES, (n,))
             )
         elif name == "bert":
-            self.models = {"model": _bert()}
+            self.models = {"model": _bert(deterministic)}
             dataset = _TokenDataset(n)
+        elif name == "empty":
+            self.models = {"model": _Empty()}
+            dataset = torch.utils.data.TensorDataset(torch.zeros(n, 1), torch.arange(n) % 2)
         elif name == "gan":
             self.models = {
                 "generator": _mlp(GAN_LATENT, GAN_HIDDEN, GAN_DATA),
@@ -94,9 +99,24 @@ def _mlp(inputs, hidden, outputs):
     )
 
 
-def _bert():
+class _Empty(torch.nn.Module):
+    """Ignores its input and returns its 2x2 weight as the logits of a batch
+    of 2: a step is then little more than the loop's own work."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(2, 2))
+
+    def forward(self, x):
+        return self.weight
+
+
+def _bert(deterministic=False):
     from transformers import BertConfig, BertForSequenceClassification
 
+    # on CUDA, fused attention kernels may add up gradients in a varying
+    # order; plain matmul-softmax attention does not
+    extra = {"attn_implementation": "eager"} if deterministic else {}
     config = BertConfig(
         vocab_size=BERT_VOCAB,
         hidden_size=128,
@@ -105,6 +125,7 @@ def _bert():
         intermediate_size=512,
         max_position_embeddings=BERT_SEQ,
         num_labels=2,
+        **extra,
     )
     return BertForSequenceClassification(config)
 
