@@ -196,8 +196,10 @@ def test_builtin_plugins_by_name_with_options():
 
 def test_evaluate_averages_over_every_example():
     loop = tiny_loop(eval_data=True)  # 16 eval examples in batches of 8
-    metrics = loop.evaluate()
     model = loop.networks["model"].unwrapped
+    assert model.training
+    metrics = loop.evaluate()
+    assert model.training  # evaluate restores the mode it found
     x, y = loop.eval_data.dataset.tensors
     model.eval()
     with torch.no_grad():
@@ -206,4 +208,3 @@ def test_evaluate_averages_over_every_example():
     assert metrics["eval_accuracy"] == pytest.approx(expected)
     assert metrics["eval_loss"] == pytest.approx(
         torch.nn.functional.cross_entropy(logits, y).item(), rel=1e-6)
-    assert model.training is False or True  # evaluate restores the mode it found

@@ -25,6 +25,7 @@ distribution never changes somebody's training by itself (see
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import os
 import sys
@@ -46,13 +47,14 @@ ENV_BLOCK = "HOOKLOOP_BLOCK_PLUGINS"
 ENV_TRACE = "HOOKLOOP_TRACE"
 
 
-def hook_names() -> list[str]:
+@functools.cache
+def hook_names() -> tuple[str, ...]:
     """Every hook, in the order ``hookspecs.py`` declares them."""
-    return [
+    return tuple(
         name
         for name, func in vars(hookspecs).items()
         if inspect.isfunction(func) and hasattr(func, PROJECT_NAME + "_spec")
-    ]
+    )
 
 
 def _env_list(name: str) -> list[str] | None:
@@ -442,7 +444,7 @@ class PluginManager:
         def after(outcome, hook_name, hook_impls, kwargs):
             pass
 
-        self.pm.add_hookcall_monitoring(before, after)
+        self.add_hookcall_monitoring(before, after)
 
 
 def warn_broken(item: Installed) -> None:

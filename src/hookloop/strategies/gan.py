@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from ..markers import hookimpl
-from .base import StepOutput, backward, check_loss, update
+from .base import StepOutput, loss_and_backward, update
 
 #: mapping keys tried, in order, for the real sample of a dict batch
 REAL_KEYS = ("pixel_values", "images", "image")
@@ -223,7 +223,7 @@ class GAN:
                 "fake_samples": fake_d,
                 "latent": z,
             }
-            losses["discriminator"] = _loss_and_backward(loop, D, batch, d_out)
+            losses["discriminator"] = loss_and_backward(loop, D, batch, d_out)
             outputs["discriminator"] = d_out
             update(loop, D)
             if accelerator.sync_gradients:
@@ -242,7 +242,7 @@ class GAN:
                         "real_samples": real,
                         "latent": z,
                     }
-                    losses["generator"] = _loss_and_backward(loop, G, batch, g_out)
+                    losses["generator"] = loss_and_backward(loop, G, batch, g_out)
                 outputs["generator"] = g_out
                 update(loop, G)
         return StepOutput(outputs, losses)
@@ -278,16 +278,6 @@ class GANLoss:
             fake = outputs["fake"]
             return F.binary_cross_entropy_with_logits(fake, torch.ones_like(fake))
         return None
-
-
-def _loss_and_backward(loop, network, batch, outputs):
-    hook = loop.hook
-    loss = hook.compute_loss(loop=loop, network=network, batch=batch, outputs=outputs)
-    check_loss(loss, network, loop)
-    hook.before_backward(loop=loop, network=network, loss=loss)
-    backward(loop, loss)  # accelerator.backward, minus its per-call overhead
-    hook.after_backward(loop=loop, network=network)
-    return loss
 
 
 @contextlib.contextmanager

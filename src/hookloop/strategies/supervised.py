@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from ..batches import forward, logits_of, loss_of, targets_of
 from ..markers import hookimpl
 from ..plugins.loss import DefaultLoss
-from .base import StepOutput, backward, check_loss, update
+from .base import StepOutput, loss_and_backward, update
 
 
 class Supervised:
@@ -34,14 +34,9 @@ class Supervised:
     @hookimpl(trylast=True)
     def training_step(self, loop, batch):
         network = loop.networks["model"]
-        hook = loop.hook
         with loop.accumulate(network.model):
             outputs = forward(network.model, batch)
-            loss = hook.compute_loss(loop=loop, network=network, batch=batch, outputs=outputs)
-            check_loss(loss, network, loop)
-            hook.before_backward(loop=loop, network=network, loss=loss)
-            backward(loop, loss)
-            hook.after_backward(loop=loop, network=network)
+            loss = loss_and_backward(loop, network, batch, outputs)
             update(loop, network)
         return StepOutput(outputs, loss)
 
