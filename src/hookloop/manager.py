@@ -47,6 +47,11 @@ ENV_BLOCK = "HOOKLOOP_BLOCK_PLUGINS"
 ENV_TRACE = "HOOKLOOP_TRACE"
 
 
+class UnmarkedHookWarning(UserWarning):
+    """A plugin marks some hook methods ``@hookimpl`` but leaves one that is
+    named like a hook unmarked: that one is never called."""
+
+
 @functools.cache
 def hook_names() -> tuple[str, ...]:
     """Every hook, in the order ``hookspecs.py`` declares them."""
@@ -214,6 +219,80 @@ def implemented_hooks(plugin) -> list[str]:
     return sorted(out, key=lambda h: order.get(h, len(order)))
 
 
+#: hook names of other training libraries -> the hookloop hook that does that
+#: job (used by the "did you mean" of a misnamed hook). Lightning's
+#: ``Callback`` / ``LightningModule`` hooks and the Hugging Face Trainer's
+#: ``TrainerCallback`` events; names hookloop shares (``on_fit_start``,
+#: ``on_exception``, ``on_train_epoch_end``) need no entry.
+FOREIGN_HOOKS = {
+    # Lightning
+    "setup": ("Lightning", "on_fit_start"),
+    "on_train_start": ("Lightning", "on_fit_start"),
+    "on_train_end": ("Lightning", "on_fit_end"),
+    "teardown": ("Lightning", "on_fit_end"),
+    "on_train_epoch_start": ("Lightning", "on_epoch_start"),
+    "training_epoch_end": ("Lightning", "on_train_epoch_end"),
+    "on_train_batch_start": ("Lightning", "before_step"),
+    "on_train_batch_end": ("Lightning", "after_step"),
+    "training_step_end": ("Lightning", "after_step"),
+    "on_before_backward": ("Lightning", "before_backward"),
+    "on_after_backward": ("Lightning", "after_backward"),
+    "on_before_optimizer_step": ("Lightning", "before_optimizer_step"),
+    "optimizer_step": ("Lightning", "before_optimizer_step"),
+    "on_before_zero_grad": ("Lightning", "before_zero_grad"),
+    "optimizer_zero_grad": ("Lightning", "before_zero_grad"),
+    "lr_scheduler_step": ("Lightning", "before_scheduler_step"),
+    "on_validation_start": ("Lightning", "on_eval_start"),
+    "on_validation_epoch_start": ("Lightning", "on_eval_start"),
+    "validation_step": ("Lightning", "eval_step"),
+    "on_validation_batch_end": ("Lightning", "after_eval_step"),
+    "validation_step_end": ("Lightning", "after_eval_step"),
+    "on_validation_epoch_end": ("Lightning", "on_eval_end"),
+    "validation_epoch_end": ("Lightning", "on_eval_end"),
+    "on_validation_end": ("Lightning", "on_eval_end"),
+    "test_step": ("Lightning", "eval_step"),
+    "on_test_batch_end": ("Lightning", "after_eval_step"),
+    "on_test_epoch_end": ("Lightning", "on_eval_end"),
+    "on_save_checkpoint": ("Lightning", "state_dict"),
+    "on_load_checkpoint": ("Lightning", "load_state_dict"),
+    # Hugging Face Trainer callbacks
+    "on_init_end": ("the Hugging Face Trainer", "on_fit_start"),
+    "on_train_begin": ("the Hugging Face Trainer", "on_fit_start"),
+    "on_epoch_begin": ("the Hugging Face Trainer", "on_epoch_start"),
+    "on_step_begin": ("the Hugging Face Trainer", "before_step"),
+    "on_pre_optimizer_step": ("the Hugging Face Trainer", "before_optimizer_step"),
+    "on_optimizer_step": ("the Hugging Face Trainer", "after_optimizer_step"),
+    "on_substep_end": ("the Hugging Face Trainer", "after_step"),
+    "on_step_end": ("the Hugging Face Trainer", "after_step"),
+    "on_evaluate": ("the Hugging Face Trainer", "on_eval_end"),
+    "on_prediction_step": ("the Hugging Face Trainer", "after_eval_step"),
+    "on_log": ("the Hugging Face Trainer", "after_step"),
+    "on_save": ("the Hugging Face Trainer", "state_dict"),
+}
+
+#: plugin methods that are not hooks (the checkpoint plugin calls them)
+_STATE_METHODS = ("state_dict", "load_state_dict")
+
+
+def suggest_hook(hook: str, valid=None) -> str:
+    """A hint for a method marked ``@hookimpl`` whose name is no hookloop
+    hook: the hook that does the job when the name is another library's (see
+    :data:`FOREIGN_HOOKS`), else the closest hook name; ``""`` if none."""
+    valid = hook_names() if valid is None else valid
+    foreign = FOREIGN_HOOKS.get(hook)
+    if foreign is not None:
+        library, target = foreign
+        if target in _STATE_METHODS:
+            return (
+                f" {hook!r} is {library}'s name; in hookloop a plugin keeps state in "
+                "checkpoints with plain (unmarked) state_dict() and load_state_dict(state) methods."
+            )
+        if target in valid:
+            return f" {hook!r} is {library}'s name: the hookloop hook is {target!r}."
+    close = difflib.get_close_matches(hook, valid, n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
 def validate(plugin, name: str) -> None:
     """Raise :class:`PluginValidationError`, naming the plugin, the method and
     the valid choices, for anything pluggy would accept silently or report
@@ -226,6 +305,7 @@ def validate(plugin, name: str) -> None:
         )
     valid = hook_names()
     marked = 0
+    implemented = set()
     for attr in dir(plugin):
         if attr.startswith("__"):
             continue
@@ -235,14 +315,23 @@ def validate(plugin, name: str) -> None:
             continue
         marked += 1
         hook = opts.get("specname") or attr
+        implemented.add(hook)
         if hook not in valid:
-            close = difflib.get_close_matches(hook, valid, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
             raise PluginValidationError(
                 plugin,
                 f"plugin {name!r}: method {attr!r} is marked @hookimpl but "
-                f"{hook!r} is not a hookloop hook.{hint} "
+                f"{hook!r} is not a hookloop hook.{suggest_hook(hook, valid)} "
                 f"Valid hooks: {', '.join(valid)}",
+            )
+        _check_signature(plugin, name, attr, hook, method)
+        if (opts.get("wrapper") or opts.get("hookwrapper")) and not inspect.isgeneratorfunction(method):
+            kind = "wrapper=True" if opts.get("wrapper") else "hookwrapper=True"
+            raise PluginValidationError(
+                plugin,
+                f"plugin {name!r}: method {attr!r} (hook {hook!r}) is marked "
+                f"@hookimpl({kind}) but has no `yield`: a wrapper runs its code before "
+                "`result = yield`, the other implementations at the yield, and returns "
+                "the result after it. Add the yield, or drop the wrapper option.",
             )
         args = varnames(method)[0]
         spec_args = _spec_args(hook)
@@ -254,8 +343,9 @@ def validate(plugin, name: str) -> None:
                 f"argument(s) {', '.join(map(repr, unknown))} that the hook does "
                 f"not have. Valid arguments: {', '.join(spec_args)}",
             )
+    lookalikes = [a for a in dir(plugin) if a in valid and a not in implemented
+                  and callable(getattr(plugin, a, None))]
     if marked == 0:
-        lookalikes = [a for a in dir(plugin) if a in valid]
         hint = (
             f" Methods named like hooks but not marked: {', '.join(lookalikes)} "
             f"(add @hookimpl)."
@@ -265,6 +355,44 @@ def validate(plugin, name: str) -> None:
         raise PluginValidationError(
             plugin, f"plugin {name!r} has no @hookimpl methods.{hint}"
         )
+    for attr in lookalikes:
+        warnings.warn(
+            f"plugin {name!r}: method {attr!r} is named like the hook but not marked "
+            f"@hookimpl, so it is never called (its other hook methods are marked). "
+            f"Add @hookimpl, or rename it.",
+            UnmarkedHookWarning,
+            stacklevel=5,  # Loop(...) in the user's code
+        )
+    has_save = callable(getattr(plugin, "state_dict", None))
+    has_load = callable(getattr(plugin, "load_state_dict", None))
+    if has_save != has_load:
+        present, missing = ("state_dict", "load_state_dict") if has_save else (
+            "load_state_dict", "state_dict")
+        raise PluginValidationError(
+            plugin,
+            f"plugin {name!r} has {present}() but no {missing}(): checkpoints keep a "
+            "plugin's state only when it has both (state_dict() -> dict, "
+            "load_state_dict(state)). Add the other one, or rename this one.",
+        )
+
+
+def _check_signature(plugin, name, attr, hook, method) -> None:
+    """A hook implementation names the arguments it takes: pluggy passes
+    nothing to ``*args`` / ``**kwargs`` (they would silently stay empty)."""
+    try:
+        params = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C function: nothing to check
+        return
+    for p in params:
+        if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+            star = "**" if p.kind is p.VAR_KEYWORD else "*"
+            raise PluginValidationError(
+                plugin,
+                f"plugin {name!r}: method {attr!r} (hook {hook!r}) takes "
+                f"{star}{p.name}, which would always be empty: a hook implementation "
+                "receives only the arguments it names. Name the ones you need "
+                f"from: {', '.join(_spec_args(hook))}",
+            )
 
 
 # ---------------------------------------------------------------------------
@@ -273,7 +401,13 @@ def validate(plugin, name: str) -> None:
 
 
 def _noop(**kwargs):
+    """A firstresult hook nobody implements: no result."""
     return None
+
+
+def _noop_broadcast(**kwargs):
+    """A broadcast hook nobody implements: no results (as pluggy returns)."""
+    return []
 
 
 class HookRelay:
@@ -298,7 +432,8 @@ class HookRelay:
         caller = getattr(self._pm.hook, name)
         impls = caller.get_hookimpls()
         if not impls:
-            caller = _noop
+            firstresult = bool(caller.spec and caller.spec.opts.get("firstresult"))
+            caller = _noop if firstresult else _noop_broadcast
         elif not (
             # monitoring (HOOKLOOP_TRACE, add_hookcall_monitoring) replaces _multicall
             getattr(self._pm, "_inner_hookexec", None) is not _multicall
@@ -347,17 +482,22 @@ class PluginManager:
             self._enable_tracing()
 
     def register(self, plugin, name: str, source: str) -> None:
+        if self.pm.is_registered(plugin):  # before validation: its warnings were given once
+            raise PluginValidationError(
+                plugin,
+                f"plugin {name!r} is given twice (the same object): from "
+                f"{self.sources.get(self.pm.get_name(plugin), '?')} and from {source}. "
+                "Give it once, or make a second instance.",
+            )
         validate(plugin, name)
         if self.pm.has_plugin(name):
             other = self.sources.get(name, "?")
+            where = (f"both from {source}" if other == source
+                     else f"one from {other}, one from {source}")
             raise PluginValidationError(
                 plugin,
-                f"two plugins are named {name!r}: one from {other}, one from "
-                f"{source}. Give one a different `name` attribute.",
-            )
-        if self.pm.is_registered(plugin):
-            raise PluginValidationError(
-                plugin, f"plugin {name!r} ({source}) is given twice (the same object)"
+                f"two plugins are named {name!r}: {where}. Give one a different "
+                "`name` attribute.",
             )
         self.pm.register(plugin, name=name)
         self.sources[name] = source

@@ -1,0 +1,172 @@
+"""Mistakes a plugin author makes that used to pass silently or blame the wrong
+party (issue 13, section 3): each is refused or reported at ``Loop(...)``, or
+names the plugin that made it."""
+
+import warnings
+
+import pytest
+import torch
+
+from hookloop import PluginValidationError, hookimpl
+from hookloop.manager import FOREIGN_HOOKS, UnmarkedHookWarning, hook_names, suggest_hook
+from hookloop.plugins import GradClip
+from hookloop.testing import tiny_loop
+
+
+# -- one method named like a hook left unmarked ---------------------------------------
+
+
+class HalfMarked:
+    @hookimpl
+    def after_step(self, loop):
+        pass
+
+    def on_epoch_end(self, loop, metrics):  # forgot @hookimpl
+        pass
+
+
+def test_an_unmarked_hook_method_next_to_marked_ones_is_warned_about_by_name():
+    with pytest.warns(UnmarkedHookWarning) as record:
+        tiny_loop([HalfMarked()])
+    (warning,) = [w for w in record if issubclass(w.category, UnmarkedHookWarning)]
+    message = str(warning.message)
+    assert "plugin 'HalfMarked'" in message and "method 'on_epoch_end'" in message
+    assert "never called" in message and "@hookimpl" in message
+
+
+def test_fully_marked_plugins_and_the_built_ins_warn_nothing():
+    class Fine:
+        @hookimpl
+        def after_step(self, loop):
+            pass
+
+        def helper(self):  # not named like a hook
+            pass
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnmarkedHookWarning)
+        tiny_loop([Fine(), GradClip(max_norm=1.0)], eval_data=True)
+
+
+# -- wrapper=True without yield ----------------------------------------------------------
+
+
+def test_a_wrapper_without_yield_is_a_validation_error_naming_plugin_and_hook():
+    class NoYield:
+        @hookimpl(wrapper=True)
+        def after_backward(self, loop, network):
+            return None
+
+    with pytest.raises(PluginValidationError) as info:
+        tiny_loop([NoYield()])
+    message = str(info.value)
+    assert "plugin 'NoYield'" in message and "method 'after_backward'" in message
+    assert "wrapper=True" in message and "yield" in message
+
+
+def test_a_wrapper_with_yield_is_fine():
+    seen = []
+
+    class Timing:
+        @hookimpl(wrapper=True)
+        def training_step(self, loop, batch):
+            result = yield
+            seen.append(type(result).__name__)
+            return result
+
+    tiny_loop([Timing()]).fit(max_steps=2)
+    assert seen == ["StepOutput", "StepOutput"]
+
+
+# -- state_dict without load_state_dict -----------------------------------------------------
+
+
+@pytest.mark.parametrize("present,missing", [("state_dict", "load_state_dict"),
+                                             ("load_state_dict", "state_dict")])
+def test_half_of_the_state_pair_is_refused(present, missing):
+    def method(self, *args):
+        return {}
+
+    cls = type("HalfState", (), {
+        "on_fit_start": hookimpl(lambda self, loop: None),
+        present: method,
+    })
+    with pytest.raises(PluginValidationError) as info:
+        tiny_loop([cls()])
+    message = str(info.value)
+    assert "plugin 'HalfState'" in message
+    assert f"has {present}() but no {missing}()" in message
+
+
+# -- **kwargs / *args in a hook implementation --------------------------------------------
+
+
+@pytest.mark.parametrize("signature", ["self, loop, **kwargs", "self, *args"])
+def test_star_arguments_in_a_hookimpl_are_refused(signature):
+    namespace = {}
+    exec(f"def after_step({signature}):\n    pass\n", namespace)
+    cls = type("Stars", (), {"after_step": hookimpl(namespace["after_step"])})
+    with pytest.raises(PluginValidationError) as info:
+        tiny_loop([cls()])
+    message = str(info.value)
+    assert "plugin 'Stars'" in message and "method 'after_step'" in message
+    assert "always be empty" in message and "loop, batch, outputs, loss" in message
+
+
+# -- the same object twice, and duplicate names ----------------------------------------------
+
+
+def test_the_same_object_given_twice_says_so():
+    clip = GradClip(max_norm=1.0)
+    with pytest.raises(PluginValidationError, match=r"'gradclip' is given twice \(the same object\)"):
+        tiny_loop([clip, clip])
+
+
+def test_two_objects_with_one_name_name_their_sources():
+    class A:
+        name = "same"
+
+        @hookimpl
+        def on_fit_start(self):
+            pass
+
+    with pytest.raises(PluginValidationError) as info:
+        tiny_loop([A(), A()])
+    assert "two plugins are named 'same': both from code" in str(info.value)
+
+
+# -- names from Lightning and the Hugging Face Trainer --------------------------------------
+
+
+@pytest.mark.parametrize("foreign,ours", [
+    ("on_train_batch_end", "after_step"),
+    ("training_step_end", "after_step"),
+    ("on_before_optimizer_step", "before_optimizer_step"),
+    ("on_after_backward", "after_backward"),
+    ("on_train_start", "on_fit_start"),
+    ("on_step_end", "after_step"),
+])
+def test_a_lightning_or_trainer_hook_name_suggests_the_hookloop_hook(foreign, ours):
+    cls = type("Ported", (), {foreign: hookimpl(lambda self, loop: None)})
+    with pytest.raises(PluginValidationError) as info:
+        tiny_loop([cls()])
+    message = str(info.value)
+    assert f"'{foreign}' is " in message and f"the hookloop hook is '{ours}'" in message
+    assert "Did you mean" not in message
+
+
+def test_every_foreign_name_maps_to_a_hook_or_the_state_methods():
+    """Each entry of the table names a real hook (or state_dict/load_state_dict),
+    and no entry shadows a hookloop hook of the same name."""
+    hooks = set(hook_names())
+    for foreign, (library, ours) in FOREIGN_HOOKS.items():
+        assert foreign not in hooks, foreign
+        assert library in ("Lightning", "the Hugging Face Trainer")
+        assert ours in hooks or ours in ("state_dict", "load_state_dict"), (foreign, ours)
+        assert suggest_hook(foreign), foreign
+
+
+def test_the_validation_epoch_end_name_maps_to_on_eval_end():
+    assert "'on_eval_end'" in suggest_hook("on_validation_epoch_end")
+    assert "state_dict()" in suggest_hook("on_save_checkpoint")
+    assert suggest_hook("after_backwards") == " Did you mean 'after_backward'?"
