@@ -170,3 +170,79 @@ def test_the_validation_epoch_end_name_maps_to_on_eval_end():
     assert "'on_eval_end'" in suggest_hook("on_validation_epoch_end")
     assert "state_dict()" in suggest_hook("on_save_checkpoint")
     assert suggest_hook("after_backwards") == " Did you mean 'after_backward'?"
+
+
+# -- what compute_loss returns ---------------------------------------------------------------
+
+
+def _raised_by(loop):
+    """The exception fit() raises, and the plugin the loop's attribution names."""
+    with pytest.raises(Exception) as info:
+        loop.fit(epochs=1)
+    exc = info.value
+    cause = exc.__cause__ if type(exc).__name__ == "HookError" else exc
+    return exc, cause, loop.plugins.culprit(cause)
+
+
+class PerExample:
+    @hookimpl
+    def compute_loss(self, batch, outputs):
+        return torch.nn.functional.cross_entropy(outputs, batch[1], reduction="none")
+
+
+class Detached:
+    @hookimpl
+    def compute_loss(self, batch, outputs):
+        return torch.nn.functional.cross_entropy(outputs, batch[1]).detach()
+
+
+class FloatLoss:
+    @hookimpl
+    def compute_loss(self, batch, outputs):
+        return torch.nn.functional.cross_entropy(outputs, batch[1]).item()
+
+
+class OnlyForOthers:
+    """Answers for another network: must not be blamed."""
+
+    @hookimpl
+    def compute_loss(self, network):
+        return None if network.name == "model" else 0.0
+
+
+@pytest.mark.parametrize("plugin,kind,words", [
+    (PerExample(), ValueError, "a tensor of shape (8,), not a scalar"),
+    (Detached(), ValueError, "does not require grad"),
+    (FloatLoss(), TypeError, "compute_loss returned float for network 'model'"),
+])
+def test_a_bad_loss_names_the_plugin_that_returned_it_and_what_is_wrong(plugin, kind, words):
+    name = type(plugin).__name__
+    exc, cause, culprit = _raised_by(tiny_loop([OnlyForOthers(), plugin]))
+    assert isinstance(cause, kind)
+    message = str(cause)
+    assert words in message and f"plugin {name!r}" in message
+    assert "OnlyForOthers" not in message and "supervised" not in message
+    assert culprit == (name, "compute_loss")  # the headline (note or HookError) names it too
+    assert "supervised" not in str(exc).split("\n")[0]
+
+
+def test_a_loss_nobody_returns_lists_the_compute_loss_plugins():
+    loop = tiny_loop([OnlyForOthers()], block=["loss", "progress"])
+    _, cause, _ = _raised_by(loop)
+    assert isinstance(cause, TypeError)
+    assert "compute_loss returned NoneType for network 'model'" in str(cause)
+    assert "OnlyForOthers" in str(cause)
+
+
+def test_the_default_loss_path_pays_nothing_for_the_checks():
+    """A good loss goes to backward untouched: no second compute_loss call."""
+    calls = []
+
+    class Counting:
+        @hookimpl
+        def compute_loss(self, batch, outputs):
+            calls.append(1)
+            return torch.nn.functional.cross_entropy(outputs, batch[1])
+
+    tiny_loop([Counting()]).fit(epochs=1)
+    assert len(calls) == 8

@@ -554,7 +554,13 @@ class PluginManager:
         """Which plugin and hook an exception came out of: the innermost
         traceback frame that runs a registered hook implementation.
 
-        Costs nothing until something raises (no per-call wrapping)."""
+        Costs nothing until something raises (no per-call wrapping). An
+        exception that carries ``hookloop_culprit = (plugin, hook)`` (set by
+        code that found the culprit itself, e.g. a strategy refusing what a
+        ``compute_loss`` plugin returned) names that plugin instead."""
+        preset = getattr(exc, "hookloop_culprit", None)
+        if isinstance(preset, tuple) and len(preset) == 2:
+            return preset
         by_code: dict = {}
         for hook in hook_names():
             for impl in getattr(self.pm.hook, hook).get_hookimpls():

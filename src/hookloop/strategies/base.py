@@ -1,5 +1,11 @@
-"""What every strategy shares: the result type and the update of one network."""
+"""What every strategy is made of: the protocol, the result type, the loss
+and backward of one network, the update of one network. Public as
+:mod:`hookloop.strategy`."""
 
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -7,21 +13,134 @@ import torch
 
 class StepOutput(NamedTuple):
     """What ``training_step`` returns: the forward outputs and the loss (a
-    tensor, or a dict of tensors keyed by network name)."""
+    tensor, or a dict of tensors keyed by network name). ``after_step``
+    receives both."""
 
     outputs: Any
     loss: Any
 
 
-def check_loss(loss, network, loop):
-    """A ``compute_loss`` result the strategy can back-propagate, or an error
-    naming the network and the plugins that implement the hook."""
+class Strategy:
+    """What the loop asks of a strategy; subclass it, or write any object
+    with the same attributes (the loop reads them, it does not check the
+    class).
+
+    A strategy is a plugin registered first among the built-ins, under
+    :attr:`name`. It implements ``training_step`` (and, to be evaluated,
+    ``eval_step``) with ``@hookimpl(trylast=True)``, so that a user plugin
+    returning a result replaces it, and calls the per-network hooks through
+    the kit's functions (:func:`loss_and_backward`, :func:`update`).
+    """
+
+    #: the plugin name users see (``hookloop plugins``, error messages);
+    #: it cannot be blocked
+    name: str = "strategy"
+    #: the networks the strategy trains, as keys of ``Loop(networks={...})``
+    network_names: tuple[str, ...] = ()
+    #: the networks the strategy uses but does not train: they may have
+    #: ``optimizer=None``; the loop prepares them for evaluation (no DDP
+    #: wrapper), keeps them in eval mode and never calls ``.train()`` on them.
+    #: The strategy sets ``requires_grad`` on their parameters itself.
+    frozen_networks: tuple[str, ...] = ()
+
+    def check_networks(self, networks: Mapping) -> None:
+        """Called by ``Loop(...)`` with ``{name: Network}`` before anything is
+        prepared: raise ``ValueError`` saying what to pass when the networks
+        do not fit. Default: exactly :attr:`network_names` (in any order)."""
+        expected = set(self.network_names)
+        if set(networks) != expected:
+            raise ValueError(
+                f"the {self.name!r} strategy trains the networks "
+                f"{', '.join(map(repr, self.network_names))}; got {sorted(networks)}. "
+                "Pass Loop(networks={" + ", ".join(
+                    f"{n!r}: Network(model, optimizer)" for n in self.network_names) + "}, ...)"
+            )
+
+    def default_plugins(self) -> list:
+        """Plugins registered with the strategy, after it, each replaceable by
+        a user plugin of the same name (a default loss, default metrics)."""
+        return []
+
+    # the hooks a strategy implements, with @hookimpl(trylast=True):
+    #
+    # def training_step(self, loop, batch) -> StepOutput
+    # def eval_step(self, loop, batch) -> the model's forward outputs
+
+
+def check_loss(loss, network, loop, batch=None, outputs=None):
+    """Raise unless ``loss`` (what ``compute_loss`` returned for ``network``)
+    is a tensor; the error names the plugin that returned it (found by asking
+    the implementations again, in order, with ``batch`` and ``outputs``) and
+    what was wrong. A scalar without a graph, or a tensor of several values,
+    is reported by :func:`loss_and_backward` when ``backward`` refuses it."""
     if not isinstance(loss, torch.Tensor):
-        impls = [i.plugin_name for i in loop.plugins.pm.hook.compute_loss.get_hookimpls()]
-        raise TypeError(
-            f"compute_loss returned {type(loss).__name__} for network {network.name!r}, "
-            f"not a tensor (compute_loss plugins, first called first: {', '.join(reversed(impls))})"
+        what = "nothing (every implementation returned None)" if loss is None else (
+            f"{type(loss).__name__}, not a tensor")
+        raise _loss_error(
+            TypeError, loop, network, batch, outputs,
+            f"compute_loss returned {type(loss).__name__} for network {network.name!r}",
+            f"{what}: return a scalar tensor computed from the outputs (so that it has a graph)",
         )
+
+
+def _loss_problem(loss) -> str | None:
+    """Why ``backward`` cannot use this loss tensor, or None."""
+    if loss.numel() != 1:
+        return (f"a tensor of shape {tuple(loss.shape)}, not a scalar: reduce it "
+                "(e.g. .mean()) before returning it")
+    if not loss.requires_grad:
+        return ("a tensor that does not require grad (detached, computed under "
+                "torch.no_grad(), or from constants): there is nothing to back-propagate; "
+                "compute it from the outputs without .detach() / .item()")
+    return None
+
+
+def _loss_error(kind, loop, network, batch, outputs, headline, problem):
+    plugin = returning_plugin(loop, "compute_loss", loop=loop, network=network,
+                              batch=batch, outputs=outputs) if batch is not None else None
+    if plugin is None:
+        impls = [i.plugin_name for i in loop.plugins.pm.hook.compute_loss.get_hookimpls()]
+        who = f"compute_loss plugins, first called first: {', '.join(reversed(impls))}"
+    else:
+        who = f"plugin {plugin!r}"
+    exc = kind(f"{headline} ({who}): {problem}")
+    if plugin is not None:
+        exc.hookloop_culprit = (plugin, "compute_loss")  # read by the plugin manager's culprit()
+    return exc
+
+
+def returning_plugin(loop, hook, /, **kwargs) -> str | None:
+    """The name of the plugin whose implementation of the *firstresult*
+    ``hook`` gives the result for these arguments: the implementations are
+    called again, in the order the loop calls them (wrappers skipped), and
+    the first that returns something is named. For error messages only (it
+    repeats the work); None when none returns or one raises."""
+    impls = getattr(loop.plugins.pm.hook, hook).get_hookimpls()
+    for impl in reversed(impls):  # pluggy calls the last first
+        if impl.wrapper or impl.hookwrapper:
+            continue
+        try:
+            result = impl.function(*(kwargs[a] for a in impl.argnames))
+        except Exception:  # noqa: BLE001 - only a diagnosis
+            return None
+        if result is not None:
+            return impl.plugin_name
+    return None
+
+
+@contextlib.contextmanager
+def frozen(module):
+    """``requires_grad=False`` on the module's trainable parameters for the
+    block, restored after: back-propagate through a network without giving
+    it gradients (the GAN's generator step through the discriminator)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
 
 
 def backward(loop, loss):
@@ -31,13 +150,26 @@ def backward(loop, loss):
 
 
 def loss_and_backward(loop, network, batch, outputs):
-    """``compute_loss`` for one network, checked, then back-propagated
-    between ``before_backward`` and ``after_backward``. Returns the loss."""
+    """``compute_loss`` for one network, then ``before_backward``,
+    ``accelerator.backward(loss)``, ``after_backward``. Returns the loss.
+
+    A loss that is not a tensor, not a scalar, or has no graph raises an
+    error naming the plugin that returned it (checked for free: the shape
+    and the graph are looked at only when ``backward`` refuses the loss)."""
     hook = loop.hook
     loss = hook.compute_loss(loop=loop, network=network, batch=batch, outputs=outputs)
-    check_loss(loss, network, loop)
+    if not isinstance(loss, torch.Tensor):
+        check_loss(loss, network, loop, batch, outputs)
     hook.before_backward(loop=loop, network=network, loss=loss)
-    loop._fastpath.backward(loss)
+    try:
+        loop._fastpath.backward(loss)
+    except RuntimeError as exc:
+        problem = _loss_problem(loss)
+        if problem is None:
+            raise
+        raise _loss_error(ValueError, loop, network, batch, outputs,
+                          f"compute_loss returned an unusable loss for network {network.name!r}",
+                          problem) from exc
     hook.after_backward(loop=loop, network=network)
     return loss
 

@@ -45,14 +45,13 @@ the ``"generator"`` entries are absent.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ..markers import hookimpl
-from .base import StepOutput, loss_and_backward, update
+from .base import StepOutput, frozen, loss_and_backward, update
 
 #: mapping keys tried, in order, for the real sample of a dict batch
 REAL_KEYS = ("pixel_values", "images", "image")
@@ -203,10 +202,10 @@ class GAN:
         accelerator = loop.accelerator
         real = self.real_samples(batch)
         train_g = (self.d_updates + 1) % self.n_critic == 0
-        # per process and per step: ranks draw different noise, a resumed run
-        # (same global_step) draws the same noise again
+        # per process and per batch: ranks draw different noise, a resumed run
+        # (same micro_step) draws the same noise again
         noise = self._noise_generator(loop)
-        noise.manual_seed(_mix(self.seed, accelerator.process_index, loop.state.global_step))
+        noise.manual_seed(_mix(self.seed, accelerator.process_index, loop.state.micro_step))
         z = self.sample_latent(real.shape[0], noise)
         outputs, losses = {}, {}
         # entered once per batch: Accelerate counts one micro-step per entry
@@ -235,7 +234,7 @@ class GAN:
                 # could leak into D's next update (under accumulation D's
                 # .grad is still being accumulated here), no all-reduce of
                 # gradients D does not get
-                with _frozen(D.unwrapped), accelerator.no_sync(D.model):
+                with frozen(D.unwrapped), accelerator.no_sync(D.model):
                     g_out = {
                         "fake": D.model(fake),  # after D's update
                         "fake_samples": fake,
@@ -278,19 +277,6 @@ class GANLoss:
             fake = outputs["fake"]
             return F.binary_cross_entropy_with_logits(fake, torch.ones_like(fake))
         return None
-
-
-@contextlib.contextmanager
-def _frozen(module):
-    """``requires_grad=False`` on the module's trainable parameters, restored after."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    for p in params:
-        p.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for p in params:
-            p.requires_grad_(True)
 
 
 def _mix(*values: int) -> int:
