@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from ..markers import hookimpl
-from .base import StepOutput, frozen, loss_and_backward, update
+from .base import StepOutput, Strategy, frozen, loss_and_backward, update
 
 #: mapping keys tried, in order, for the real sample of a dict batch
 REAL_KEYS = ("pixel_values", "images", "image")
@@ -59,7 +59,7 @@ REAL_KEYS = ("pixel_values", "images", "image")
 _MASK64 = (1 << 64) - 1
 
 
-class GAN:
+class GAN(Strategy):
     """The two-network strategy: ``networks`` must be exactly
     ``{"generator": ..., "discriminator": ...}``.
 
