@@ -45,10 +45,23 @@ def _docstring(doc: str) -> list[str]:
                     items[-1] += " " + line.strip()
             out.extend(_inline(item) for item in items)
         elif lines[0].startswith(".. version"):
-            directive, _, version = lines[0][3:].partition("::")
-            word = {"versionadded": "Added", "versionchanged": "Changed"}.get(directive, directive)
-            rest = " ".join(line.strip() for line in lines[1:])
-            out.append(f"*{word} in {version.strip()}.*" + (f" {_inline(rest)}" if rest else ""))
+            notes: list[str] = []
+            for line in lines:  # one directive per line, its text indented below it
+                if line.startswith(".. version"):
+                    directive, _, version = line[3:].partition("::")
+                    word = {"versionadded": "Added", "versionchanged": "Changed"}.get(directive, directive)
+                    notes.append(f"*{word} in {version.strip()}.*")
+                else:
+                    notes[-1] += " " + _inline(line.strip())
+            out.append(" ".join(notes))
+        elif lines[0].startswith("- "):
+            items = []
+            for line in lines:
+                if line.startswith("- "):
+                    items.append(line)
+                else:  # a continuation line of the item above
+                    items[-1] += " " + line.strip()
+            out.extend(_inline(item) for item in items)
         else:
             out.append(_inline(" ".join(line.strip() for line in lines)))
         out.append("")

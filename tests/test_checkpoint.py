@@ -84,7 +84,7 @@ def test_a_checkpoint_holds_accelerates_files_and_hookloops_state_as_data(tmp_pa
                      "hookloop-rank0.safetensors", "hookloop.safetensors", "hookloop.json"}
     doc = json.loads((ckpt / "hookloop.json").read_text())
     assert doc["format"] == "hookloop-checkpoint" and doc["reason"] == "every_steps"
-    assert doc["loop"] == {"epoch": 0, "step_in_epoch": 2, "global_step": 2}
+    assert doc["loop"] == {"epoch": 0, "step_in_epoch": 2, "global_step": 2, "micro_step": 2}
     assert doc["networks"] == {"model": {"model": "model.safetensors", "optimizer": "optimizer.bin",
                                          "scheduler": "scheduler.bin"}}
     assert doc["files"] == {n: (ckpt / n).stat().st_size for n in names - {"hookloop.json"}}
@@ -103,31 +103,38 @@ def test_keep_last_keeps_the_newest(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000004", "step-00000005"]
 
 
-def test_under_accumulation_a_due_checkpoint_waits_for_the_optimizer_step(tmp_path):
-    loop = make(tmp_path, accum=2, every_steps=3)
-    loop.fit(max_steps=5)  # due at 3, an accumulation-only step: saved at 4; 5 is mid-group
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000004"]
+def test_under_accumulation_every_steps_counts_optimizer_updates(tmp_path):
+    reset_accelerate()
+    checkpoint = Checkpoint(dir=tmp_path, every_steps=3, every_epoch=False, signals=None)
+    loop = tiny_loop([checkpoint], accelerator=Accelerator(gradient_accumulation_steps=2))
+    loop.fit(max_steps=3)  # 3 updates = 6 batches; saved once, after the 6th
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000003"]
+    doc = read_manifest(tmp_path / "step-00000003")
+    assert doc["reason"] == "every_steps"
+    assert doc["loop"] == {"epoch": 0, "step_in_epoch": 6, "global_step": 3, "micro_step": 6}
 
 
 def test_epoch_end_checkpoints_resume_after_the_evaluation(tmp_path):
     loop = make(tmp_path, every_steps=None)
     loop.fit(epochs=1)
     doc = read_manifest(tmp_path / "step-00000008-epoch-end")
-    assert doc["loop"] == {"epoch": 1, "step_in_epoch": 0, "global_step": 8}
+    assert doc["loop"] == {"epoch": 1, "step_in_epoch": 0, "global_step": 8, "micro_step": 8}
 
 
 # -- exact resume ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("accum", "stop"), [(1, 5), (1, 8), (1, 12), (2, 3), (2, 11)])
+@pytest.mark.parametrize(("accum", "stop"), [(1, 5), (1, 8), (1, 12), (2, 3), (2, 7)])
 def test_resume_ends_bit_for_bit_where_the_uninterrupted_run_ends(tmp_path, accum, stop):
     """Shuffling, dropout, a warm-up schedule, evaluation (which draws a
-    seed), accumulation; stopped mid-epoch, at an epoch's last batch, in an
-    accumulation group (resumed from the checkpoint before it)."""
+    seed; also at the stop, which ends the epoch early), accumulation;
+    stopped mid-epoch, at an epoch's last batch (steps count updates: under
+    accumulation 2 an epoch of 8 batches is 4)."""
     make(tmp_path, accum=accum).fit(max_steps=stop)
     torch.manual_seed(1234)  # a new process would be elsewhere
     resumed = make(tmp_path, accum=accum, resume_from="latest")
-    assert resumed.state.global_step == (stop if stop % accum == 0 else stop - 1)
+    assert resumed.state.global_step == stop
+    assert resumed.state.micro_step == stop * accum
     resumed.fit(epochs=EPOCHS)
     assert differing(params(resumed), reference(accum)) == []
 

@@ -22,8 +22,8 @@ def test_every_hook_is_documented_to_the_template(hook):
         assert f":param {arg}:" in doc, f"{hook}: argument {arg!r} undocumented"
     if func.hookloop_spec.get("firstresult"):
         assert "Stops at the first non-None result." in doc, hook
-    else:
-        assert "Return value ignored." in doc, hook
+    else:  # a broadcast hook whose results the loop uses documents them
+        assert "Return value ignored." in doc or ":return:" in doc, hook
     assert ".. versionadded::" in doc, hook
 
 
@@ -99,3 +99,17 @@ def test_the_guide_s_worked_example_and_its_test_run(tmp_path, monkeypatch, caps
     exec(compile(blocks[1], "docs/plugins.md:test", "exec"), namespace)
     namespace["test_keep_best_saves_the_weights_of_the_best_epoch"](
         tiny_loop=tiny_loop, tmp_path=tmp_path, hookloop_recorder=HookRecorder())
+
+
+def test_the_guide_s_metric_plugin_runs():
+    import re
+
+    text = GUIDE_PATH.read_text()
+    body = text.split("\n## When hooks run\n", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", body, flags=re.S)
+    namespace = {}
+    exec(compile("import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n"
+                 "from hookloop import Loop, hookimpl\n" + code, "docs/plugins.md:metric", "exec"),
+         namespace)
+    assert 0.0 <= namespace["metrics"]["eval_top2"] <= 1.0
+    assert namespace["metrics"]["eval_top2"] >= namespace["metrics"]["eval_accuracy"]

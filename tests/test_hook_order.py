@@ -37,12 +37,17 @@ def test_one_epoch_of_two_steps_calls_hooks_in_this_order():
     loop.fit(epochs=1)
     assert recorder.names() == [
         "on_fit_start",
+        "eval_step",  # the sanity check: one eval batch before training
+        "after_eval_step",
         "on_epoch_start",
         *PER_STEP,
         *PER_STEP,
+        "on_train_epoch_end",
         "on_eval_start",
         "eval_step",
+        "after_eval_step",
         "eval_step",
+        "after_eval_step",
         "on_eval_end",
         "on_epoch_end",
         "on_fit_end",

@@ -34,7 +34,7 @@ def test_sigterm_exits_75_after_the_current_step_and_the_run_resumes_equal(tmp_p
     # a plain interpreter: its own exit status, not multiprocessing's
     process = runner.plain_python(out, *ARGS, "--pause", "signal:14")
     marker = out / "paused-0"
-    while not marker.exists():  # held inside step 14, before its backward pass
+    while not marker.exists():  # held inside batch 14 (update 7), before its backward pass
         assert process.poll() is None, process.communicate()[0][-3000:]
         time.sleep(0.02)
     process.send_signal(signal.SIGTERM)
@@ -43,19 +43,19 @@ def test_sigterm_exits_75_after_the_current_step_and_the_run_resumes_equal(tmp_p
     assert "SIGTERM received" in output and "exiting with status 75" in output
 
     stopped = json.loads((out / "preempted-0.json").read_text())
-    assert stopped["step"] == 14  # step 14 finished; no step 15
+    assert stopped["step"] == 7  # update 7 finished; no update 8
     latest = (out / "checkpoints" / "latest").read_text().strip()
-    assert latest == "step-00000014"  # not a periodic one: 12 and 15 are
+    assert latest == "step-00000007"  # not a periodic one: 6 and 9 are
     doc = read_manifest(out / "checkpoints" / latest)  # complete: every file, its size
-    assert doc["reason"] == "preempted" and doc["loop"]["global_step"] == 14
+    assert doc["reason"] == "preempted" and doc["loop"]["global_step"] == 7
 
     final = runner.Run(out, *ARGS, name="resumed").finish()
-    assert json.loads((out / "run.json").read_text())["started_at"] == 14
+    assert json.loads((out / "run.json").read_text())["started_at"] == 7
     assert runner.same(final, reference) == []
 
 
 class SendSignal:
-    """Sends this process ``signum`` during step ``at`` (``times`` times)."""
+    """Sends this process ``signum`` during batch ``at`` (``times`` times)."""
 
     name = "send_signal"
 
@@ -64,7 +64,7 @@ class SendSignal:
 
     @hookimpl
     def before_backward(self, loop):
-        if loop.state.global_step + 1 == self.at:
+        if loop.state.micro_step + 1 == self.at:
             for _ in range(self.times):
                 os.kill(os.getpid(), self.signum)
 
@@ -89,8 +89,9 @@ def test_under_accumulation_the_stop_waits_for_the_optimizer_step(tiny_loop, tmp
                      accelerator=Accelerator(gradient_accumulation_steps=2))
     with pytest.raises(Preempted) as info:
         loop.fit(epochs=2)
-    # step 3 only accumulated gradients, which no checkpoint keeps: step 4 applies them
-    assert info.value.global_step == 4
+    # batch 3 only accumulated gradients, which no checkpoint keeps: batch 4 applies
+    # them, completing update 2
+    assert info.value.global_step == 2 and loop.state.micro_step == 4
     assert info.value.signal == signal.SIGTERM
 
 

@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import runner  # noqa: E402
 
-# 64 examples, batch 8, two ranks: 4 steps an epoch; optimizer steps on even steps
+# 64 examples, batch 8, two ranks: 4 batches an epoch, accumulation 2: 2 updates an epoch
 ARGS = ("--strategy", "supervised", "--accum", "2", "--epochs", "4", "--every-steps", "3",
         "--signal-check-every", "2")
 
@@ -45,29 +45,31 @@ def test_two_processes_killed_then_preempted_on_one_rank_end_equal(tmp_path):
 
     out = tmp_path / "run"
     out.mkdir()
-    # 1. both ranks held in step 7; kill the launcher and both ranks with SIGKILL
+    # 1. both ranks held in batch 7 (mid update 4); kill the launcher and both
+    # ranks with SIGKILL: the last checkpoint is the periodic one of update 3
     kill_when_paused(runner.launch_two(out, *ARGS, "--pause", "step:7"), out)
-    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000006"
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000003"
 
-    # 2. resumed at 6; only rank 1 gets SIGTERM, in step 9: the ranks agree
-    # at the next check (every 2 steps) and both stop after step 10
+    # 2. resumed at 3; only rank 1 gets SIGTERM, in batch 9 (update 5): the
+    # ranks agree at the next check (global_step 4, every 2 updates) and both
+    # stop when update 5 completes
     process = runner.launch_two(out, *ARGS, "--pause", "selfterm:9:1")
     output = process.communicate(timeout=runner.PATIENCE_S)[0]
     assert process.returncode != 0, output[-4000:]
     stops = [json.loads((out / f"preempted-{r}.json").read_text()) for r in (0, 1)]
-    assert [s["started_at"] for s in stops] == [6, 6]
-    assert [s["step"] for s in stops] == [10, 10], output[-4000:]
+    assert [s["started_at"] for s in stops] == [3, 3]
+    assert [s["step"] for s in stops] == [5, 5], output[-4000:]
     assert [s["code"] for s in stops] == [75, 75]
-    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000010"
-    doc = json.loads((out / "checkpoints" / "step-00000010" / "hookloop.json").read_text())
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000005"
+    doc = json.loads((out / "checkpoints" / "step-00000005" / "hookloop.json").read_text())
     assert doc["num_processes"] == 2 and doc["reason"] == "preempted"
     assert {"random_states_0.pkl", "random_states_1.pkl", "hookloop-rank0.safetensors",
             "hookloop-rank1.safetensors"} <= set(doc["files"])
 
-    # 3. resumed at 10: ends where the uninterrupted two-process run ends
+    # 3. resumed at 5: ends where the uninterrupted two-process run ends
     finish(runner.launch_two(out, *ARGS))
     run = json.loads((out / "run.json").read_text())
-    assert run["started_at"] == 10 and run["num_processes"] == 2 and run["global_step"] == 16
+    assert run["started_at"] == 5 and run["num_processes"] == 2 and run["global_step"] == 8
     assert runner.same(runner.params(out), reference) == []
 
 

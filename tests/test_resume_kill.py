@@ -49,31 +49,31 @@ def reference(tmp_path_factory):
 
 
 def test_supervised_run_killed_four_times_ends_bit_for_bit_equal(tmp_path, reference):
-    # 8 batches an epoch, accumulation 2 (optimizer steps on even steps),
-    # a checkpoint every 3 steps (held to the end of the accumulation group,
-    # and at an epoch's last batch left to the epoch-end checkpoint)
-    kill_at(tmp_path, SUPERVISED, "step:7")  # mid-epoch, mid accumulation group
-    assert latest(tmp_path) == "step-00000006"
+    # 8 batches an epoch, accumulation 2: 4 updates an epoch (update K ends
+    # at batch 2K), a checkpoint every 3 updates (at an epoch's last update
+    # left to the epoch-end checkpoint)
+    kill_at(tmp_path, SUPERVISED, "step:7")  # batch 7: mid-epoch, mid accumulation group
+    assert latest(tmp_path) == "step-00000003"
 
-    kill_at(tmp_path, SUPERVISED, "save:write:10")  # Accelerate's files half written
+    kill_at(tmp_path, SUPERVISED, "save:write:6")  # Accelerate's files half written
+    assert latest(tmp_path) == "step-00000004-epoch-end"
+    assert not (tmp_path / "checkpoints" / ".tmp-step-00000006" / "hookloop.json").exists()
+
+    kill_at(tmp_path, SUPERVISED, "save:latest:6")  # renamed into place, latest not updated
+    assert latest(tmp_path) == "step-00000004-epoch-end"
+    assert manifest(tmp_path, "step-00000006")["loop"]["global_step"] == 6  # complete
+
+    kill_at(tmp_path, SUPERVISED, "save:publish:9")  # complete, not yet renamed
     assert latest(tmp_path) == "step-00000008-epoch-end"
-    assert not (tmp_path / "checkpoints" / ".tmp-step-00000010" / "hookloop.json").exists()
-
-    kill_at(tmp_path, SUPERVISED, "save:latest:12")  # renamed into place, latest not updated
-    assert latest(tmp_path) == "step-00000010"
-    assert manifest(tmp_path, "step-00000012")["loop"]["global_step"] == 12  # complete
-
-    kill_at(tmp_path, SUPERVISED, "save:publish:18")  # complete, not yet renamed
-    assert latest(tmp_path) == "step-00000016-epoch-end"
-    assert (tmp_path / "checkpoints" / ".tmp-step-00000018" / "hookloop.json").exists()
-    assert saved(tmp_path) == [".tmp-step-00000018", "step-00000010", "step-00000012",
-                               "step-00000016-epoch-end"]  # keep_last=3
+    assert (tmp_path / "checkpoints" / ".tmp-step-00000009" / "hookloop.json").exists()
+    assert saved(tmp_path) == [".tmp-step-00000009", "step-00000004-epoch-end", "step-00000006",
+                               "step-00000008-epoch-end"]  # keep_last=3
 
     final = runner.Run(tmp_path, *SUPERVISED, name="final").finish()
     run = json.loads((tmp_path / "run.json").read_text())
-    assert run["started_at"] == 16 and run["global_step"] == 24
+    assert run["started_at"] == 8 and run["global_step"] == 12
     assert runner.same(final, reference["supervised"]) == []
-    assert saved(tmp_path) == ["step-00000018", "step-00000022", "step-00000024-epoch-end"]
+    assert saved(tmp_path) == ["step-00000008-epoch-end", "step-00000009", "step-00000012-epoch-end"]
 
 
 def test_gan_run_killed_twice_ends_bit_for_bit_equal(tmp_path, reference):

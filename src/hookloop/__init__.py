@@ -4,17 +4,16 @@ pluggy hook.
     from hookloop import Loop, Network, hookimpl
 """
 
-from .errors import HookError, PluginLoadError, PluginValidationError
+from .errors import PluginLoadError, PluginValidationError
 from .loop import Loop
 from .markers import hookimpl, hookspec
 from .network import Network
 from .state import LoopState
 from .strategies import StepOutput
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "HookError",
     "Loop",
     "LoopState",
     "Network",

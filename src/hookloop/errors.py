@@ -21,17 +21,3 @@ class PluginLoadError(ImportError):
         super().__init__(message)
         self.distribution = distribution
         self.entry_point = entry_point
-
-
-class HookError(RuntimeError):
-    """A hook implementation raised. The original exception is chained
-    (``__cause__``) with its traceback; ``plugin`` and ``hook`` name where."""
-
-    def __init__(self, plugin, hook, exception):
-        self.plugin = plugin
-        self.hook = hook
-        self.exception = exception
-        super().__init__(
-            f"plugin {plugin!r} raised in hook {hook!r}: "
-            f"{type(exception).__name__}: {exception}"
-        )

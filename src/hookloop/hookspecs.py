@@ -7,22 +7,48 @@ it may take any subset of the hook's arguments, by name.
 Call order for one epoch of supervised training with an evaluation set::
 
     on_fit_start
+      (sanity check: eval_step + after_eval_step on one eval batch)
       on_epoch_start
         before_step                                   ┐
         training_step                                 │ once per batch
           compute_loss                                │
           before_backward / after_backward            │ once per network
-          before_optimizer_step / after_optimizer_step│ (sync steps only)
-          before_scheduler_step / after_scheduler_step│ (sync steps only)
-          before_zero_grad / after_zero_grad          │ (sync steps only)
+          before_optimizer_step / after_optimizer_step│ (update steps only)
+          before_scheduler_step / after_scheduler_step│ (update steps only)
+          before_zero_grad / after_zero_grad          │ (update steps only)
         after_step                                    ┘
+        (every eval_every updates: on_eval_start ... on_eval_end)
+      on_train_epoch_end                                also after a stop / max_steps
         on_eval_start
-          eval_step                                     once per eval batch
+          eval_step                                     ┐ once per eval batch
+          after_eval_step                               ┘
         on_eval_end
       on_epoch_end
     on_fit_end
 
 ``on_exception`` replaces the rest of this sequence when anything raises.
+
+**Steps are optimizer updates.** ``loop.state.global_step`` counts completed
+updates (one per accumulation group under ``gradient_accumulation_steps=k``;
+the GAN strategy's batch is one update of each network);
+``loop.state.micro_step`` counts trained batches. Inside the hooks:
+
+========================================  ==========================================
+hook                                      ``global_step`` holds
+========================================  ==========================================
+``before_step``, ``training_step`` and     the updates before this batch's: the
+every per-network hook inside it           optimizer-step hooks see the update
+(``compute_loss`` ... ``after_zero_grad``) being made, not yet counted
+``after_step``                            this batch's update counted (if the batch
+                                          completed one: ``loop.accelerator.sync_gradients``)
+``on_train_epoch_end``, evaluation hooks,  every update of the epoch so far
+``on_epoch_end``, ``on_fit_end``
+========================================  ==========================================
+
+``micro_step`` follows the same rule for batches (``after_step``: this batch
+counted). A stop (:meth:`Loop.stop`, ``max_steps``) takes effect at the next
+update boundary and still ends the epoch: ``on_train_epoch_end``, evaluation,
+``on_epoch_end``.
 
 Hooks marked *firstresult* stop at the first implementation that returns a
 value other than ``None``; for every other hook the return value is ignored.
@@ -107,11 +133,33 @@ def on_epoch_start(loop, epoch):
 
 
 @hookspec
+def on_train_epoch_end(loop, epoch):
+    """Called after the last training batch of an epoch, before its
+    evaluation: when the data ran out, and also when a stop or ``max_steps``
+    ended the epoch early (``loop.state.epoch_complete`` tells which).
+
+    The place to close what ``on_epoch_start`` opened around training only
+    (a profiler, LocalSGD, peak-memory tracking), before evaluation runs.
+
+    :param loop: the :class:`~hookloop.Loop`.
+    :param epoch: the epoch whose training just ended, counted from 0.
+
+    Return value ignored.
+
+    .. versionadded:: 0.2
+    """
+
+
+@hookspec
 def on_epoch_end(loop, epoch, metrics):
-    """Called at the end of every training epoch, after its evaluation.
+    """Called at the end of every epoch, after its evaluation; also when a
+    stop or ``max_steps`` ended the epoch early (then
+    ``loop.state.epoch_complete`` is False and the next ``fit`` continues
+    this epoch).
 
     The place for epoch logging, checkpoints and early stopping
-    (:meth:`Loop.stop`).
+    (:meth:`Loop.stop`). ``fit()`` returns the ``metrics`` of its last
+    epoch.
 
     :param loop: the :class:`~hookloop.Loop`.
     :param epoch: the epoch that just ended, counted from 0.
@@ -122,6 +170,8 @@ def on_epoch_end(loop, epoch, metrics):
     Return value ignored.
 
     .. versionadded:: 0.1
+    .. versionchanged:: 0.2
+        Also called when a stop or ``max_steps`` ends the epoch early.
     """
 
 
@@ -139,7 +189,8 @@ def before_step(loop, batch):
     ``after_step``; the data position still advances).
 
     :param loop: the :class:`~hookloop.Loop`; ``loop.state.step_in_epoch`` is
-        the index of this batch in the epoch.
+        the index of this batch in the epoch; ``global_step`` and
+        ``micro_step`` do not count this batch yet.
     :param batch: the batch as the prepared dataloader yields it, already on
         the device.
 
@@ -172,13 +223,17 @@ def training_step(loop, batch):
 
 @hookspec
 def after_step(loop, batch, outputs, loss):
-    """Called after every trained batch (not after skipped ones).
+    """Called after every trained batch (not after skipped ones), under
+    gradient accumulation after every micro-batch:
+    ``loop.accelerator.sync_gradients`` is true after the batch that
+    completed an update.
 
     The place for logging and metrics. Calling ``loss.item()`` synchronises a
-    GPU: do it every N steps, not on every step.
+    GPU: do it every N updates, not on every step.
 
-    :param loop: the :class:`~hookloop.Loop`; ``loop.state.global_step`` already
-        counts this step.
+    :param loop: the :class:`~hookloop.Loop`; ``loop.state.micro_step``
+        counts this batch, ``loop.state.global_step`` this batch's update if
+        it completed one.
     :param batch: the training batch.
     :param outputs: what the strategy's forward pass returned (for the GAN
         strategy a dict keyed by network name).
@@ -189,6 +244,8 @@ def after_step(loop, batch, outputs, loss):
     Return value ignored.
 
     .. versionadded:: 0.1
+    .. versionchanged:: 0.2
+        ``global_step`` counts optimizer updates, not batches.
     """
 
 
@@ -352,9 +409,13 @@ def after_zero_grad(loop, network):
 
 @hookspec
 def on_eval_start(loop):
-    """Called at the start of :meth:`Loop.evaluate` (also at the end of every
-    epoch when the loop has ``eval_data``), after the networks were put in
-    eval mode.
+    """Called at the start of every evaluation, after the networks were put
+    in eval mode: at the end of every epoch when the loop has ``eval_data``,
+    every ``eval_every`` updates, and for :meth:`Loop.evaluate`.
+
+    A metric plugin resets what it accumulates here (the sanity check's one
+    batch comes before the first ``on_eval_start`` and is not followed by
+    ``on_eval_end``).
 
     :param loop: the :class:`~hookloop.Loop`.
 
@@ -366,28 +427,56 @@ def on_eval_start(loop):
 
 @hookspec(firstresult=True)
 def eval_step(loop, batch):
-    """Evaluate one batch of ``eval_data``, under ``torch.no_grad()``.
+    """Run the forward pass of one evaluation batch, under
+    ``torch.no_grad()``, and return its outputs.
 
-    The built-in supervised implementation (``trylast``) returns per-example
-    ``eval_loss`` and ``eval_accuracy``. Implementations must pass what they
-    return through ``loop.accelerator.gather_for_metrics`` so that every
-    example is counted exactly once over all processes.
+    This is the strategy's evaluation hook: one forward per batch, whose
+    outputs every ``after_eval_step`` implementation then receives. The
+    built-in supervised strategy (``trylast``) returns
+    ``model(**batch)`` / ``model(inputs)`` as the training step calls it.
+    :meth:`Loop.predict` gathers these outputs.
 
-    :param loop: the :class:`~hookloop.Loop`.
+    :param loop: the :class:`~hookloop.Loop`; ``loop.state.stage`` is
+        ``"eval"``, ``"sanity_check"`` or ``"predict"``.
     :param batch: the evaluation batch, on the device.
-    :return: a dict ``{metric name: tensor of per-example values}``,
-        gathered; the loop averages each over the whole evaluation set.
+    :return: the model's outputs for the batch (anything but ``None``).
 
     Stops at the first non-None result.
 
     .. versionadded:: 0.1
+    .. versionchanged:: 0.2
+        Returns the forward outputs; metrics moved to ``after_eval_step``.
+    """
+
+
+@hookspec
+def after_eval_step(loop, batch, outputs):
+    """Called for every implementation after each evaluation batch, with
+    the outputs ``eval_step`` returned: the place for metrics.
+
+    Two ways to compute a metric, both exact over several processes:
+
+    - return ``{name: per-example tensor}`` passed through
+      ``loop.accelerator.gather_for_metrics`` (every example once over all
+      processes); the loop averages each name over the evaluation set into
+      ``metrics`` (the built-in ``metrics`` plugin returns ``eval_loss`` and
+      ``eval_accuracy`` this way);
+    - or accumulate in the plugin (reset in ``on_eval_start``) and write the
+      result into ``metrics`` in ``on_eval_end``.
+
+    :param loop: the :class:`~hookloop.Loop`.
+    :param batch: the evaluation batch, on the device.
+    :param outputs: what ``eval_step`` returned for it.
+    :return: ``None``, or a dict of per-example tensors (gathered).
+
+    .. versionadded:: 0.2
     """
 
 
 @hookspec
 def on_eval_end(loop, metrics):
-    """Called at the end of :meth:`Loop.evaluate`, before the networks go
-    back to train mode.
+    """Called at the end of every evaluation, before the networks go back
+    to train mode.
 
     :param loop: the :class:`~hookloop.Loop`.
     :param metrics: a dict of floats, each metric averaged over every

@@ -10,22 +10,27 @@ import atexit
 import contextlib
 import gc
 import os
+import sys
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.data_loader import DataLoaderStateMixin
+from torch.utils.data import DataLoader
 
 from . import checkpointing
 from . import manager as plugin_manager
 from .accelerate_fastpath import FastPath
-from .errors import HookError, PluginLoadError, PluginValidationError
+from .errors import PluginLoadError, PluginValidationError
 from .network import Network
 from .plugins import BUILTINS, FiniteCheck, ProgressBar
 from .state import LoopState
-from .strategies import Supervised
+from .strategies import StepOutput, Supervised
 
 _NULL = contextlib.nullcontext()
+_END = object()
 
 
 class Loop:
@@ -73,19 +78,25 @@ class Loop:
         prepare: bool = True,
         resume_from=None,
     ):
-        self.networks = _networks(model, optimizer, scheduler, networks)
         self.strategy = strategy if strategy is not None else Supervised()
+        self.networks = _networks(model, optimizer, scheduler, networks, self.strategy)
         self.strategy.check_networks(self.networks)
+        frozen = set(getattr(self.strategy, "frozen_networks", ()))
+        #: the networks ``fit`` puts in train mode (not a strategy's frozen ones)
+        self._trainable = [n for name, n in self.networks.items() if name not in frozen]
         self.accelerator = accelerator if accelerator is not None else Accelerator()
         self.train_data = train_data
         self.eval_data = eval_data
         self.state = LoopState()
         self.plugins = plugin_manager.PluginManager()
         self._register_plugins(list(plugins), block)
+        self._prepare_data = prepare
+        self._prepared = weakref.WeakKeyDictionary()  # DataLoader -> prepared, for evaluate/predict
         if prepare:
-            self._prepare()
-        self._accumulating = self.accelerator.gradient_accumulation_steps > 1
-        self._fastpath = FastPath(self.accelerator)
+            self._prepare(frozen)
+        self._start_accumulation()  # read again when fit() starts
+        self._in_group = 0  # batches of the current accumulation group trained so far
+        self._evaluated_at = None  # the global_step of the last eval_every evaluation
         self._in_guard = False
         self._epoch_rng = None  # what this epoch's data iterator started from (for resume)
         self._resume = None  # how to continue after load_checkpoint, used by fit
@@ -107,7 +118,10 @@ class Loop:
         self.accelerator.print(*args, **kwargs)
 
     def stop(self, reason: str | None = None):
-        """Ask the loop to end after the current step (or epoch end)."""
+        """Ask the loop to end the epoch at the next update boundary (at
+        once, without accumulation) and finish the fit: the epoch's
+        evaluation and ``on_epoch_end`` still run; the next ``fit``
+        continues the epoch where it stopped."""
         self.state.should_stop = True
         self.state.stop_reason = reason
 
@@ -125,45 +139,66 @@ class Loop:
 
     @property
     def total_steps(self) -> int | None:
-        """The ``global_step`` at which the current ``fit`` ends, if known."""
+        """The ``global_step`` (optimizer updates) at which the current
+        ``fit`` ends, if known."""
         state = self.state
         if state.max_steps is not None:
             return state.max_steps
-        try:
-            per_epoch = len(self.train_data)
-        except TypeError:
+        per_epoch = _length(self.train_data)
+        if per_epoch is None or state.max_epochs is None:
             return None
-        return state.max_epochs * per_epoch if state.max_epochs is not None else None
+        k = self._accumulation  # the last partial group of an epoch is one update too
+        updates = -(-per_epoch // k) if isinstance(self.train_data, DataLoaderStateMixin) else per_epoch // k
+        return state.max_epochs * updates
 
     # -- training ---------------------------------------------------------
 
     def fit(self, epochs: int | None = None, *, max_steps: int | None = None,
+            eval_every: int | None = None, sanity_check: bool = True,
             resume_from=None) -> dict:
         """Train until ``state.epoch == epochs`` or ``state.global_step ==
-        max_steps`` (exactly one of them), or until a plugin calls
-        :meth:`stop`. Counts are totals over the run, so a second ``fit``
-        (or a resumed one) continues where the state is.
+        max_steps`` (exactly one of them; steps are optimizer updates), or
+        until a plugin calls :meth:`stop`. Counts are totals over the run, so
+        a second ``fit`` (or a resumed one) continues where the state is.
 
+        Every epoch ends the same way, whether its data ran out or a stop or
+        ``max_steps`` ended it early: ``on_train_epoch_end``, the evaluation
+        (with ``eval_data``), ``on_epoch_end``. An epoch ended early stays
+        the current epoch: the next ``fit`` continues it.
+
+        :param eval_every: also evaluate every N updates (``on_eval_start`` /
+            ``on_eval_end``, not the epoch hooks); not again at an epoch's
+            last update, whose epoch-end evaluation follows.
+        :param sanity_check: before the first training step, run one batch of
+            ``eval_data`` through ``eval_step`` and ``after_eval_step``, so
+            that a wrong evaluation set or metric plugin fails in seconds,
+            not after an epoch. It changes nothing (the random states are put
+            back) and calls neither ``on_eval_start`` nor ``on_eval_end``.
         :param resume_from: first restore this checkpoint, as
             :meth:`load_checkpoint` does.
 
-        :return: the metrics of the last completed epoch (``{}`` if none).
+        :return: the metrics of the last epoch (``{}`` without ``eval_data``).
         """
         state = self.state
         _check_run_length(epochs, max_steps)
+        _check_positive("eval_every", eval_every)
         _check_data(self.train_data)
+        if eval_every is not None and self.eval_data is None:
+            raise ValueError("fit(eval_every=...) needs eval_data: pass eval_data=... to Loop(...)")
         if resume_from is not None:
             self.load_checkpoint(resume_from)
         state.max_epochs, state.max_steps = epochs, max_steps
         state.should_stop, state.stop_reason, state.skip_batch = False, None, False
         metrics: dict = {}
-        with self._guard():
+        with self._guard(), self._stage("train"):
             self.hook.on_fit_start(loop=self)
-            self._fastpath = FastPath(self.accelerator)  # after plugins set up
+            self._start_accumulation()  # after on_fit_start: a plugin may set it there
+            if sanity_check and self.eval_data is not None:
+                self._sanity_check()
             hook = self.hook  # fixed for the run: plugins are set by now
             while not self._finished():
                 epoch = state.epoch
-                for network in self.networks.values():
+                for network in self._trainable:
                     network.model.train()
                 resume, self._resume = self._resume, None
                 if resume is not None and not state.step_in_epoch:
@@ -176,24 +211,87 @@ class Loop:
                 else:
                     self._epoch_rng = checkpointing.capture_epoch(self.train_data)
                     batches = self.train_data
-                for batch in batches:
-                    hook.before_step(loop=self, batch=batch)
-                    state.step_in_epoch += 1
-                    if state.skip_batch:
-                        state.skip_batch = False
-                        continue
-                    result = hook.training_step(loop=self, batch=batch)
-                    state.global_step += 1
-                    hook.after_step(loop=self, batch=batch, outputs=result.outputs, loss=result.loss)
-                    if state.should_stop or state.global_step == max_steps:
-                        break
-                else:  # the epoch ran to its end
-                    metrics = self.evaluate() if self.eval_data is not None else {}
-                    hook.on_epoch_end(loop=self, epoch=epoch, metrics=metrics)
+                state.epoch_complete = self._train_epoch(hook, batches, max_steps, eval_every)
+                hook.on_train_epoch_end(loop=self, epoch=epoch)
+                metrics = {}
+                if self.eval_data is not None:
+                    # an epoch ended early evaluates without a trace in the random
+                    # states: the next fit continues the epoch as if it had not stopped
+                    metrics = self._evaluate(self.eval_data, keep_rng=not state.epoch_complete)
+                hook.on_epoch_end(loop=self, epoch=epoch, metrics=metrics)
+                if state.epoch_complete:
                     state.epoch += 1
                     state.step_in_epoch = 0
+                state.epoch_complete = False
             hook.on_fit_end(loop=self)
         return metrics
+
+    def _train_epoch(self, hook, batches, max_steps, eval_every) -> bool:
+        """Train on ``batches``; True if they ran out, False if a stop or
+        ``max_steps`` ended the epoch (always at an update boundary)."""
+        state = self.state
+        gradient_state = self.accelerator.gradient_state
+        settings = gradient_state.plugin_kwargs  # holds gradient_accumulation_steps
+        k = self._accumulation
+        length = _length(self.train_data)  # batches in a whole epoch, if known
+        for batch in batches:
+            hook.before_step(loop=self, batch=batch)
+            state.step_in_epoch += 1
+            if settings.get("num_steps", 1) != k:  # set by a plugin since the last batch
+                k = self._change_accumulation(settings.get("num_steps", 1))
+            if state.skip_batch:
+                state.skip_batch = False
+            else:
+                result = hook.training_step(loop=self, batch=batch)
+                if type(result) is not StepOutput:
+                    result = _step_output(self, result)
+                if settings.get("num_steps", 1) != k:
+                    _accumulation_changed_inside_step(k, settings.get("num_steps", 1))
+                state.micro_step += 1
+                if k == 1 or gradient_state.sync_gradients:
+                    state.global_step += 1
+                    self._in_group = 0
+                else:
+                    self._in_group += 1
+                hook.after_step(loop=self, batch=batch, outputs=result.outputs, loss=result.loss)
+            if self._in_group:
+                continue  # a stop or an evaluation waits for the end of the accumulation group
+            if state.should_stop or (max_steps is not None and state.global_step >= max_steps):
+                _abandon(batches, self.accelerator)
+                return length is not None and state.step_in_epoch >= length
+            if (eval_every is not None and state.global_step % eval_every == 0
+                    and state.global_step != self._evaluated_at
+                    and not (length is not None and state.step_in_epoch >= length)):
+                self._evaluate(self.eval_data, keep_rng=True)
+                self._evaluated_at = state.global_step
+        return True
+
+    def _start_accumulation(self):
+        """Read ``gradient_accumulation_steps`` for this fit (a plugin may set
+        it in ``on_fit_start``). Accelerate's micro-step counter restarts:
+        a fit starts at an update boundary."""
+        acc = self.accelerator
+        self._accumulation = acc.gradient_accumulation_steps
+        self._accumulating = self._accumulation > 1
+        self._in_group = 0
+        self._evaluated_at = None
+        acc.step = 0
+        self._fastpath = FastPath(acc)
+
+    def _change_accumulation(self, new: int) -> int:
+        """``gradient_accumulation_steps`` changed between two batches: taken
+        from this batch on if it starts an accumulation group, else refused
+        (the open group would be divided by one number and synchronised at
+        another)."""
+        if self._in_group:
+            raise ValueError(
+                f"gradient_accumulation_steps changed from {self._accumulation} to {new} "
+                f"{self._in_group} batch(es) into an accumulation group (update "
+                f"{self.state.global_step + 1}): change it only at an update boundary, e.g. in "
+                "on_epoch_start, or in after_step when loop.accelerator.sync_gradients is true"
+            )
+        self._start_accumulation()
+        return self._accumulation
 
     def _rest_of_epoch(self, resume):
         """The batches of the current epoch after ``state.step_in_epoch``, in
@@ -246,43 +344,144 @@ class Loop:
             or (state.max_epochs is not None and state.epoch >= state.max_epochs)
         )
 
-    def evaluate(self) -> dict:
-        """Run ``eval_data`` through the ``eval_step`` hook, without gradients,
-        and return each metric averaged over every example (on every process).
+    # -- evaluation and prediction -------------------------------------------
+
+    def evaluate(self, data=None) -> dict:
+        """Evaluate on ``data`` (default ``eval_data``; a ``DataLoader`` is
+        prepared for you) without gradients, in eval mode: ``on_eval_start``,
+        per batch ``eval_step`` then ``after_eval_step``, ``on_eval_end``.
+        The random states are put back afterwards: calling it from a hook
+        does not change the rest of training.
+
+        :return: the metrics: each value ``after_eval_step`` implementations
+            returned, averaged over every example (the same on every
+            process), plus what ``on_eval_end`` implementations added.
         """
-        if self.eval_data is None:
-            raise ValueError("this Loop has no eval_data: pass eval_data=... to Loop(...)")
+        data = self._eval_loader(data)
+        with self._guard(), self._stage("eval"):
+            return self._evaluate(data, keep_rng=True)
+
+    def predict(self, data) -> Any:
+        """The outputs of ``eval_step`` (the model's forward outputs, for the
+        built-in strategies) for every example of ``data``, in data order,
+        gathered over processes with ``gather_for_metrics`` (every process
+        gets all of them; tensors concatenated on dim 0, inside tuples and
+        dicts too). No gradients; the networks' train/eval modes are
+        restored afterwards. ``loop.state.stage`` is ``"predict"`` meanwhile.
+        """
+        data = self._eval_loader(data, required=True)
+        gather = self.accelerator.gather_for_metrics
+        parts = []
+        with self._guard(), self._stage("predict"), self._eval_mode(), torch.no_grad():
+            for batch in data:
+                parts.append(gather(self._eval_outputs(batch)))
+        return _concat(parts)
+
+    def _evaluate(self, data, keep_rng: bool) -> dict:
+        """One evaluation. ``keep_rng``: put the global random states back
+        afterwards (iterating a DataLoader draws a seed from them), so that
+        an evaluation in the middle of an epoch changes nothing in training.
+        Only the evaluation at the end of a whole epoch draws, as the
+        hand-written Accelerate loop's does."""
         hook = self.hook
-        with self._guard():
-            was_training = {name: n.model.training for name, n in self.networks.items()}
-            for network in self.networks.values():
-                network.model.eval()
-            hook.on_eval_start(loop=self)
-            sums: dict = {}
-            counts: dict = {}
-            with torch.no_grad():
-                for batch in self.eval_data:
-                    values = hook.eval_step(loop=self, batch=batch)
-                    if values is None:
-                        raise TypeError(
-                            f"no plugin returned a result from eval_step (strategy "
-                            f"{self.strategy.name!r}): implement eval_step to evaluate"
-                        )
-                    for key, value in values.items():
-                        value = value.detach().to(torch.float64)
-                        sums[key] = sums.get(key, 0.0) + value.sum()
-                        counts[key] = counts.get(key, 0) + value.numel()
-            metrics = {key: (sums[key] / max(counts[key], 1)).item() for key in sums}
-            hook.on_eval_end(loop=self, metrics=metrics)
-            for name, network in self.networks.items():
-                network.model.train(was_training[name])
+        state = self.state
+        stage, state.stage = state.stage, "eval"
+        sums: dict = {}
+        counts: dict = {}
+        rng = checkpointing.capture_rng() if keep_rng else None
+        try:
+            with self._eval_mode():
+                hook.on_eval_start(loop=self)
+                with torch.no_grad():
+                    for batch in data:
+                        outputs = self._eval_outputs(batch)
+                        for values in hook.after_eval_step(loop=self, batch=batch, outputs=outputs):
+                            _add_metrics(self, values, sums, counts)
+                means = [sums[key] / max(counts[key], 1) for key in sums]
+                metrics = dict(zip(sums, torch.stack(means).tolist())) if means else {}
+                hook.on_eval_end(loop=self, metrics=metrics)
+        finally:
+            state.stage = stage
+            if rng is not None:
+                checkpointing.restore_rng(rng)
         return metrics
+
+    def _eval_outputs(self, batch):
+        outputs = self.hook.eval_step(loop=self, batch=batch)
+        if outputs is None:
+            raise TypeError(
+                f"no plugin returned a result from eval_step for strategy "
+                f"{self.strategy.name!r}: implement eval_step (return the model's outputs for "
+                "the batch) to evaluate or predict"
+            )
+        return outputs
+
+    def _sanity_check(self):
+        """One batch of ``eval_data`` through ``eval_step`` and
+        ``after_eval_step``, with every random state put back afterwards."""
+        data = self.eval_data
+        state = self.state
+        rng = checkpointing.capture_rng()
+        generators = {path: g.get_state() for path, g in checkpointing.data_generators(data).items()}
+        stage, state.stage = state.stage, "sanity_check"
+        batches = iter(data)
+        try:
+            batch = next(batches, _END)
+            if batch is _END:
+                raise ValueError("eval_data is empty (0 batches): check the dataset and batch_size")
+            with self._eval_mode(), torch.no_grad():
+                outputs = self._eval_outputs(batch)
+                for values in self.hook.after_eval_step(loop=self, batch=batch, outputs=outputs):
+                    _add_metrics(self, values, {}, {})
+        finally:
+            state.stage = stage
+            _abandon(batches, self.accelerator, data)
+            checkpointing.restore_rng(rng)
+            checkpointing._restore_generators(data, generators)
+
+    def _eval_loader(self, data, required=False):
+        if data is None:
+            if required or self.eval_data is None:
+                raise ValueError(
+                    "no data to evaluate: pass evaluate(data=...), or eval_data=... to Loop(...)"
+                    if not required else "predict(data) needs data: a DataLoader"
+                )
+            return self.eval_data
+        if not self._prepare_data or not isinstance(data, DataLoader) or isinstance(data, DataLoaderStateMixin):
+            return data
+        prepared = self._prepared.get(data)
+        if prepared is None:
+            prepared = self._prepared[data] = self.accelerator.prepare_data_loader(data)
+        return prepared
+
+    @contextlib.contextmanager
+    def _eval_mode(self):
+        """Every network in eval mode; the modes they had put back after."""
+        modes = [(n.model, n.model.training) for n in self.networks.values()]
+        for model, _ in modes:
+            model.eval()
+        try:
+            yield
+        finally:
+            for model, training in modes:
+                model.train(training)
+
+    @contextlib.contextmanager
+    def _stage(self, stage):
+        state = self.state
+        before, state.stage = state.stage, stage
+        try:
+            yield
+        finally:
+            state.stage = before
 
     @contextlib.contextmanager
     def _guard(self):
         """Call ``on_exception`` for anything that escapes, and name the
-        plugin and hook an exception came out of. Only the outermost guard
-        (``fit``, or a lone ``evaluate``) acts."""
+        plugin and hook an exception came out of in a note on the exception
+        (``except ValueError`` around ``fit`` still catches a model's
+        ``ValueError``). Only the outermost guard (``fit``, or a lone
+        ``evaluate`` / ``predict``) acts."""
         if self._in_guard:
             yield
             return
@@ -295,9 +494,11 @@ class Loop:
             except Exception as hook_exc:  # keep the original error first
                 exc.__context__ = hook_exc
             culprit = self.plugins.culprit(exc) if isinstance(exc, Exception) else None
-            if culprit is not None and not isinstance(exc, (HookError, PluginValidationError)):
-                raise HookError(*culprit, exc) from exc
-            raise
+            if culprit is not None:
+                plugin, hook = culprit
+                _add_note(exc, f"hookloop: raised in hook {hook!r} of plugin {plugin!r} "
+                               f"({self.plugins.sources.get(plugin, '?')})")
+            raise  # the same exception object, its type and traceback unchanged
         finally:
             self._in_guard = False
 
@@ -341,8 +542,12 @@ class Loop:
                 continue
             self.plugins.register(plugin, name, source)
 
-    def _prepare(self):
-        networks = list(self.networks.values())
+    def _prepare(self, frozen):
+        for name in frozen:  # evaluation_mode: no DDP wrapper, nothing to synchronise
+            network = self.networks[name]
+            network.model = self.accelerator.prepare_model(network.model, evaluation_mode=True)
+            network.model.eval()
+        networks = [n for name, n in self.networks.items() if name not in frozen]
         with_opt = [n for n in networks if n.optimizer is not None]
         with_sched = [n for n in networks if n.scheduler is not None]
         data = [d for d in (self.train_data, self.eval_data) if d is not None]
@@ -367,26 +572,28 @@ class Loop:
             n.scheduler = next(it)
 
     def close(self):
-        """Release the prepared objects and end Accelerate's trackers.
+        """Release the prepared objects (the loop cannot train afterwards).
 
-        Called at interpreter exit. Several gloo processes with a DDP-wrapped
-        model otherwise abort in about 1 run in 3 while the interpreter tears
-        down ("terminate called without an active exception"); dropping every
-        reference first avoids it."""
+        The process group stays: a second ``Loop`` in the same script (a
+        cross-validation fold) keeps working with several processes. Called
+        for every open loop at interpreter exit, which then also destroys the
+        process group: several gloo processes with a DDP-wrapped model
+        otherwise abort in about 1 run in 3 while the interpreter tears down
+        ("terminate called without an active exception")."""
         for network in self.networks.values():
             network.model = network.unwrapped
             network.optimizer = network.scheduler = None
         self.train_data = self.eval_data = None
+        self._prepared = weakref.WeakKeyDictionary()
         self._fastpath.forget()
         try:
             self.accelerator.free_memory()
-            self.accelerator.end_training()
-        except Exception:  # noqa: BLE001 - best effort at exit
+        except Exception:  # noqa: BLE001 - best effort
             pass
         gc.collect()
 
 
-def _networks(model, optimizer, scheduler, networks) -> dict[str, Network]:
+def _networks(model, optimizer, scheduler, networks, strategy) -> dict[str, Network]:
     if networks is not None:
         if model is not None or optimizer is not None or scheduler is not None:
             raise ValueError("pass either model=/optimizer=/scheduler= or networks=, not both")
@@ -411,8 +618,11 @@ def _networks(model, optimizer, scheduler, networks) -> dict[str, Network]:
                 f"network {name!r}: model is a {type(network.model).__name__}, "
                 "not a torch.nn.Module"
             )
-        if network.optimizer is None:
-            raise ValueError(f"network {name!r} has no optimizer")
+        if network.optimizer is None and name not in getattr(strategy, "frozen_networks", ()):
+            raise ValueError(
+                f"network {name!r} has no optimizer, and the strategy {strategy.name!r} trains "
+                "it (only a strategy's frozen_networks may have none)"
+            )
     return out
 
 
@@ -476,8 +686,121 @@ def _close_at_exit(loop):
 
 @atexit.register
 def _close_open_loops():
+    if not _open_loops:
+        return
     for loop in list(_open_loops):
         try:
             loop.close()
         except Exception:  # noqa: BLE001
+            pass
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        try:  # at exit only: Loop.close keeps the group for later loops
+            torch.distributed.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _check_positive(label, value):
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"fit(): {label} must be a positive int or None, got {value!r}")
+
+
+def _length(data) -> int | None:
+    try:
+        return len(data)
+    except TypeError:
+        return None
+
+
+def _abandon(batches, accelerator, loader=None):
+    """Stop iterating a prepared dataloader before its end. Accelerate
+    unregisters a dataloader from its gradient state only when the iteration
+    runs out; an abandoned one would stay the "active" dataloader."""
+    close = getattr(batches, "close", None)
+    if close is not None:
+        close()
+    loader = loader if loader is not None else batches
+    references = accelerator.gradient_state.dataloader_references
+    if isinstance(loader, DataLoaderStateMixin) and loader in references:
+        loader.end()
+
+
+def _step_output(loop, result):
+    if isinstance(result, StepOutput):
+        return result
+    impls = [i.plugin_name for i in reversed(loop.plugins.pm.hook.training_step.get_hookimpls())]
+    what = "no plugin returned a result" if result is None else f"it returned {type(result).__name__}"
+    raise TypeError(
+        f"training_step must return hookloop.StepOutput(outputs, loss): {what} "
+        f"(training_step plugins, first called first: {', '.join(impls)})"
+    )
+
+
+def _accumulation_changed_inside_step(before, now):
+    raise ValueError(
+        f"gradient_accumulation_steps changed from {before} to {now} inside training_step: "
+        "this batch's loss was already divided by one and synchronised at the other. Change it "
+        "only at an update boundary, e.g. in on_epoch_start, or in after_step when "
+        "loop.accelerator.sync_gradients is true"
+    )
+
+
+def _add_metrics(loop, values, sums, counts):
+    """Add one ``after_eval_step`` result (per-example values) to the sums."""
+    if not isinstance(values, Mapping) or not all(isinstance(v, torch.Tensor) for v in values.values()):
+        impls = [i.plugin_name for i in reversed(loop.plugins.pm.hook.after_eval_step.get_hookimpls())]
+        raise TypeError(
+            "after_eval_step must return None or a dict {metric name: tensor of per-example "
+            f"values}}, got {type(values).__name__} {_short(values)} (after_eval_step plugins: "
+            f"{', '.join(impls)})"
+        )
+    for key, value in values.items():
+        value = value.detach().to(torch.float64)
+        sums[key] = sums.get(key, 0.0) + value.sum()
+        counts[key] = counts.get(key, 0) + value.numel()
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) < 60 else text[:57] + "..."
+
+
+def _concat(parts):
+    """Batches of gathered outputs joined into one: tensors on dim 0, the
+    same structure around them."""
+    if not parts:
+        return None
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat([p.reshape(1) if p.ndim == 0 else p for p in parts])
+    if isinstance(first, Mapping):
+        joined = {key: _concat([p[key] for p in parts]) for key in first}
+        try:
+            return type(first)(**joined)  # a Hugging Face ModelOutput, a dict subclass
+        except TypeError:
+            return type(first)(joined)
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(_concat([p[i] for p in parts]) for i in range(len(first))))
+    if isinstance(first, Sequence) and not isinstance(first, (str, bytes)):
+        return type(first)(_concat([p[i] for p in parts]) for i in range(len(first)))
+    if first is None:
+        return None
+    return list(parts)
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``; on Python 3.10 the same ``__notes__`` list,
+    which the ``exceptiongroup`` backport prints in tracebacks."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+        return
+    notes = getattr(exc, "__notes__", None)
+    if not isinstance(notes, list):
+        notes = []
+    notes.append(note)
+    exc.__notes__ = notes
+    if sys.version_info < (3, 11):
+        try:
+            import exceptiongroup  # noqa: F401 - patches traceback printing of __notes__
+        except ImportError:
             pass

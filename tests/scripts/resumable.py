@@ -14,16 +14,20 @@ network's final parameters. Works alone or under ``accelerate launch
 the script writes OUT/paused-<rank> (its pid, where) and sleeps until killed:
 
 ``step:K``
-    in step K's ``after_step``, before its checkpoint would be written;
+    in batch K's ``after_step`` (``micro_step`` K), before a checkpoint
+    would be written;
 ``save:STAGE:K``
-    inside the save of the checkpoint after step K: ``write`` (Accelerate's
-    files written, hookloop's not), ``publish`` (complete in ``.tmp-<name>``,
-    not renamed), ``latest`` (renamed, ``latest`` not yet updated);
+    inside the save of the checkpoint after update K (``global_step``, as
+    checkpoints are named): ``write`` (Accelerate's files written, hookloop's
+    not), ``publish`` (complete in ``.tmp-<name>``, not renamed), ``latest``
+    (renamed, ``latest`` not yet updated);
 ``signal:K``
-    in step K, before its backward pass, until a signal arrives (the test
+    in batch K, before its backward pass, until a signal arrives (the test
     sends it); then the run goes on;
 ``selfterm:K:R``
-    rank R sends itself SIGTERM in step K's ``after_step`` and goes on.
+    rank R sends itself SIGTERM in batch K's ``after_step`` and goes on.
+
+With ``--accum 2`` an update is two batches: batch K ends update K/2.
 
 When stopped by a signal, each rank writes OUT/preempted-<rank>.json
 (the step it stopped after, the checkpoint) before exiting with status 75.
@@ -72,7 +76,7 @@ class Pauser:
 
     @hookimpl
     def before_backward(self, loop, network):
-        if self.kind == "signal" and loop.state.global_step + 1 == int(self.args[0]):
+        if self.kind == "signal" and loop.state.micro_step + 1 == int(self.args[0]):
             if network.name == next(iter(loop.networks)):
                 rank = loop.accelerator.process_index
                 pause_here(self.out, rank, "signal",
@@ -80,7 +84,7 @@ class Pauser:
 
     @hookimpl
     def after_step(self, loop):
-        step = loop.state.global_step
+        step = loop.state.micro_step
         rank = loop.accelerator.process_index
         if self.kind == "step" and step == int(self.args[0]):
             pause_here(self.out, rank, f"step {step}")

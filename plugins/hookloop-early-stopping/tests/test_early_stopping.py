@@ -7,7 +7,7 @@ Run after installing: ``pip install ./plugins/hookloop-early-stopping`` then
 
 import pytest
 
-from hookloop import HookError, hookimpl
+from hookloop import hookimpl
 from hookloop_early_stopping import EarlyStopping
 
 
@@ -103,11 +103,11 @@ def test_on_real_evaluation_metrics(tiny_loop, hookloop_recorder):
 
 def test_a_missing_metric_is_named(tiny_loop):
     loop = tiny_loop([EarlyStopping(monitor="eval_acc")], eval_data=True)
-    with pytest.raises(HookError, match=r"monitors 'eval_acc', but the epoch-end metrics are "
+    with pytest.raises(KeyError, match=r"monitors 'eval_acc', but the epoch-end metrics are "
                                         r"\['eval_accuracy', 'eval_loss'\]"):
         loop.fit(epochs=1)
     loop = tiny_loop([EarlyStopping()])
-    with pytest.raises(HookError, match=r"empty \(is eval_data set\?\)"):
+    with pytest.raises(KeyError, match=r"empty \(is eval_data set\?\)"):
         loop.fit(epochs=1)
 
 

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from hookloop import HookError, hookimpl
+from hookloop import hookimpl
 from hookloop.manager import implemented_hooks
 from hookloop.plugins import GradClip, Logger
 from hookloop.testing import parameters
@@ -125,7 +125,7 @@ class Fails:
 def test_errors_still_name_the_plugin_and_the_functions_come_back(tiny_loop):
     profiler = Profiler()
     loop = tiny_loop([profiler, Fails()])
-    with pytest.raises(HookError, match="plugin 'fails' raised in hook 'after_step': ValueError: boom"):
+    with pytest.raises(ValueError, match="boom(.|\n)*raised in hook 'after_step' of plugin 'fails'"):
         loop.fit(epochs=1)
     for impl in loop.plugins.pm.hook.after_step.get_hookimpls():
         assert getattr(impl.function, "__self__", None) is impl.plugin  # the real method again

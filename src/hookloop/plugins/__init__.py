@@ -9,6 +9,7 @@ from .finite import FiniteCheck, NonFiniteLoss
 from .gradclip import GradClip
 from .logger import Logger
 from .loss import DefaultLoss
+from .metrics import DefaultMetrics
 from .progress import ProgressBar
 from .sample_grid import SampleGrid
 
@@ -18,8 +19,9 @@ BUILTINS = {
     "gradclip": GradClip,
     "logger": Logger,
     "loss": DefaultLoss,
+    "metrics": DefaultMetrics,
     "progress": ProgressBar,
     "samples": SampleGrid,
 }
 
-__all__ = ["BUILTINS", "Checkpoint", "FiniteCheck", "NonFiniteLoss", "DefaultLoss", "GradClip", "Logger", "ProgressBar", "SampleGrid"]
+__all__ = ["BUILTINS", "Checkpoint", "FiniteCheck", "NonFiniteLoss", "DefaultLoss", "DefaultMetrics", "GradClip", "Logger", "ProgressBar", "SampleGrid"]

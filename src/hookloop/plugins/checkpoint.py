@@ -17,8 +17,8 @@ class Checkpoint:
     keeping the newest ``keep_last``; resume with ``Loop(...,
     resume_from="latest")``.
 
-    :param every_steps: save after every N-th global step (None: never
-        mid-epoch). Under gradient accumulation a save waits for the end of
+    :param every_steps: save after every N-th optimizer update
+        (``global_step``; None: never mid-epoch). Under gradient accumulation a save waits for the end of
         the accumulation group: partial gradients are not saved.
     :param every_epoch: save at the end of every epoch, after its evaluation
         and the other plugins' ``on_epoch_end`` (this hook is ``trylast``).
@@ -105,8 +105,8 @@ class Checkpoint:
     def after_step(self, loop):
         acc = loop.accelerator
         step = loop.state.global_step
-        if self.every_steps and step % self.every_steps == 0:
-            self._due = True
+        if self.every_steps and step % self.every_steps == 0 and acc.sync_gradients:
+            self._due = True  # (after the batch that completed update N, not its group's others)
         if self.watcher is not None and self._stop is None:
             if acc.num_processes == 1 or step % self.signal_check_every == 0:
                 self._stop = self.watcher.agreed(acc)
@@ -122,7 +122,11 @@ class Checkpoint:
         if self.watcher is not None and self._stop is None:
             self._stop = self.watcher.agreed(loop.accelerator)  # e.g. during the evaluation
         if self.every_epoch or self._due or self._stop is not None:
-            path = self._save(loop, "preempted" if self._stop is not None else "epoch_end", epoch_end=True)
+            # an epoch ended early by a stop is saved at its mid-epoch position:
+            # the next fit continues it
+            complete = loop.state.epoch_complete
+            reason = "preempted" if self._stop is not None else "epoch_end" if complete else "fit_end"
+            path = self._save(loop, reason, epoch_end=complete)
             if self._stop is not None:
                 self._preempted(loop, path)
 

@@ -6,7 +6,8 @@ from ..markers import hookimpl
 
 
 class Logger:
-    """Every ``every`` steps, log the loss (averaged over processes), each
+    """Every ``every`` optimizer updates, log the loss (of the batch that
+    completed the update) (averaged over processes), each
     network's learning rate and, when a clipping plugin measured it, its
     gradient norm; at every epoch end, the epoch's metrics.
 
@@ -42,8 +43,8 @@ class Logger:
     @hookimpl
     def after_step(self, loop, loss):
         step = loop.state.global_step
-        if step % self.every:
-            return
+        if step % self.every or not loop.accelerator.sync_gradients:
+            return  # (not after a micro-batch that completed no update)
         accelerator = loop.accelerator
         losses = loss.items() if isinstance(loss, Mapping) else [(None, loss)]
         values = {}

@@ -8,8 +8,8 @@ from ..markers import hookimpl
 
 
 class ProgressBar:
-    """One bar for the whole fit, showing the step rate and, every ``every``
-    steps, the loss (reading the loss synchronises the device, so not on
+    """One bar for the whole fit, counting optimizer updates, showing their
+    rate and, every ``every`` updates, the loss (reading the loss synchronises the device, so not on
     every step).
 
     A built-in default. ``disable=None`` (the default) lets tqdm decide: the
@@ -46,8 +46,8 @@ class ProgressBar:
     @hookimpl
     def after_step(self, loop, loss):
         bar = self.bar
-        if bar is None or bar.disable:
-            return
+        if bar is None or bar.disable or not loop.accelerator.sync_gradients:
+            return  # one tick per optimizer update
         bar.update(1)
         if loop.state.global_step % self.every == 0:
             if isinstance(loss, Mapping):

@@ -1,10 +1,9 @@
 """The default strategy: one network named ``"model"``, supervised."""
 
-import torch.nn.functional as F
-
-from ..batches import forward, logits_of, loss_of, targets_of
+from ..batches import forward
 from ..markers import hookimpl
 from ..plugins.loss import DefaultLoss
+from ..plugins.metrics import DefaultMetrics
 from .base import StepOutput, loss_and_backward, update
 
 
@@ -13,15 +12,17 @@ class Supervised:
     ``accelerator.backward``, then optimizer, scheduler and ``zero_grad``,
     inside ``accelerator.accumulate`` when gradient accumulation is on.
 
-    Batches: see :mod:`hookloop.batches`. Evaluation returns per-example
-    cross-entropy (``eval_loss``) and ``eval_accuracy`` of the arg-max.
+    Batches: see :mod:`hookloop.batches`. ``eval_step`` returns the model's
+    outputs; its default plugin ``metrics``
+    (:class:`~hookloop.plugins.metrics.DefaultMetrics`) turns them into
+    ``eval_loss`` and ``eval_accuracy``.
     """
 
     name = "supervised"
     network_names = ("model",)
 
     def default_plugins(self):
-        return [DefaultLoss()]
+        return [DefaultLoss(), DefaultMetrics()]
 
     def check_networks(self, networks):
         if set(networks) != {"model"}:
@@ -42,19 +43,4 @@ class Supervised:
 
     @hookimpl(trylast=True)
     def eval_step(self, loop, batch):
-        outputs = forward(loop.networks["model"].model, batch)
-        targets = targets_of(batch)
-        gather = loop.accelerator.gather_for_metrics
-        if targets is None:
-            loss = loss_of(outputs)
-            if loss is None:
-                raise ValueError(
-                    "eval_data batches have no targets and the model returned no loss: "
-                    "write a plugin that implements eval_step"
-                )
-            return {"eval_loss": gather(loss.detach().reshape(1))}
-        logits = logits_of(outputs)
-        loss = F.cross_entropy(logits, targets, reduction="none")
-        correct = (logits.argmax(dim=-1) == targets).float()
-        loss, correct = gather((loss, correct))
-        return {"eval_loss": loss, "eval_accuracy": correct}
+        return forward(loop.networks["model"].model, batch)

@@ -1,0 +1,89 @@
+"""The default evaluation metrics: loss and accuracy, per example."""
+
+import torch
+import torch.nn.functional as F
+
+from ..batches import logits_of, loss_of, targets_of
+from ..markers import hookimpl
+
+
+class DefaultMetrics:
+    """``eval_loss`` and ``eval_accuracy`` of every evaluation example, a
+    default plugin of the supervised strategy (block it with
+    ``block=["metrics"]``).
+
+    - Targets that fit the logits (``logits[..., classes]`` against integer
+      targets of shape ``logits.shape[:-1]``): per-example cross-entropy and
+      accuracy of the arg-max, averaged over the positions of a sequence
+      (targets ``-100`` ignored, as Hugging Face models do).
+    - Otherwise, when the model computed a loss itself (a causal language
+      model given ``labels`` shifts them inside): ``eval_loss`` is that loss,
+      counted once per example of the batch, as the Hugging Face Trainer
+      counts it.
+
+    Values go through ``gather_for_metrics``: every example once over all
+    processes.
+    """
+
+    name = "metrics"
+
+    @hookimpl(trylast=True)
+    def after_eval_step(self, loop, batch, outputs):
+        gather = loop.accelerator.gather_for_metrics
+        targets = targets_of(batch)
+        logits = _logits_or_none(outputs)
+        if targets is not None and logits is not None and _fit(logits, targets):
+            loss, correct = _per_example(logits, targets)
+            loss, correct = gather((loss, correct))
+            return {"eval_loss": loss, "eval_accuracy": correct}
+        loss = loss_of(outputs)
+        if loss is None:
+            what = "no targets" if targets is None else (
+                f"targets of shape {tuple(targets.shape)} that do not fit logits of shape "
+                f"{tuple(logits.shape) if logits is not None else '?'}")
+            raise ValueError(
+                f"eval_data batches have {what}, and the model returned no loss: pass "
+                "labels the model uses, or write a plugin that implements after_eval_step "
+                "(block=['metrics'] removes this one)"
+            )
+        n = _batch_size(batch, targets, logits)
+        return {"eval_loss": gather(loss.detach().float().reshape(1).repeat(n))}
+
+
+def _logits_or_none(outputs):
+    try:
+        return logits_of(outputs)
+    except TypeError:
+        return None
+
+
+def _fit(logits, targets) -> bool:
+    return (
+        isinstance(targets, torch.Tensor)
+        and not targets.is_floating_point()
+        and logits.ndim == targets.ndim + 1
+        and tuple(logits.shape[:-1]) == tuple(targets.shape)
+    )
+
+
+def _per_example(logits, targets):
+    """Cross-entropy and correctness per example, averaged over the other
+    (sequence) positions, ignoring targets of -100."""
+    loss = F.cross_entropy(logits.movedim(-1, 1), targets, reduction="none", ignore_index=-100)
+    correct = (logits.argmax(dim=-1) == targets).float()
+    if targets.ndim == 1:
+        return loss, correct
+    valid = (targets != -100).float().flatten(1)
+    n = valid.sum(dim=1).clamp(min=1)
+    return (loss.flatten(1) * valid).sum(1) / n, (correct.flatten(1) * valid).sum(1) / n
+
+
+def _batch_size(batch, targets, logits):
+    for tensor in (targets, logits):
+        if isinstance(tensor, torch.Tensor) and tensor.ndim:
+            return tensor.shape[0]
+    if isinstance(batch, dict):
+        for value in batch.values():
+            if isinstance(value, torch.Tensor) and value.ndim:
+                return value.shape[0]
+    return 1
