@@ -331,10 +331,8 @@ class Loop:
         return resolved
 
     def _checkpoint_root(self):
-        plugin = self.plugins.get("checkpoint")
-        if plugin is not None and callable(getattr(plugin, "directory", None)):
-            return plugin.directory(self)
-        return checkpointing.default_directory(self.accelerator)
+        # the first Checkpoint plugin found by type, whatever its name (issue 11)
+        return checkpointing.checkpoint_root(self)
 
     def _finished(self) -> bool:
         state = self.state

@@ -1,5 +1,6 @@
 """One trainable network: a model with its optimizer and optional scheduler."""
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,29 @@ class Network:
     def __post_init__(self):
         if self.unwrapped is None:
             self.unwrapped = self.model
+        untrained = self.untrained_parameters()
+        if untrained:
+            who = f"network {self.name!r}" if self.name else f"Network({type(self.unwrapped).__name__})"
+            shown = ", ".join(untrained[:5]) + (f" and {len(untrained) - 5} more" if len(untrained) > 5 else "")
+            warnings.warn(
+                f"{who}: {len(untrained)} parameter(s) require grad but are in no param group of "
+                f"its optimizer ({type(self.optimizer).__name__}), so they never train: {shown}. "
+                "Add them to the optimizer, or set requires_grad=False (a plugin that adds them "
+                "later, unfreezing a backbone, should also restore them before the optimizer "
+                "state on resume: load_state_dict_early)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def untrained_parameters(self) -> list[str]:
+        """Names of the model's parameters that require grad but are in no
+        param group of the optimizer (they would train frozen)."""
+        groups = getattr(self.optimizer, "param_groups", None)
+        named = getattr(self.unwrapped, "named_parameters", None)
+        if groups is None or not callable(named):
+            return []
+        in_groups = {id(p) for group in groups for p in group.get("params", ())}
+        return [name for name, p in named() if p.requires_grad and id(p) not in in_groups]
 
     def __repr__(self):
         return f"Network(name={self.name!r}, model={type(self.unwrapped).__name__})"

@@ -68,7 +68,16 @@ def signal_name(signum) -> str:
 
 class SignalWatcher:
     """Records the first of ``signals`` (names or numbers) received while
-    installed; the handlers it replaced are put back by :meth:`uninstall`.
+    installed.
+
+    Every installed watcher of a process shares one set of signal handlers
+    (:data:`_HUB`): the first :meth:`install` puts them in place, the last
+    :meth:`uninstall` puts back the handlers that were there before; a
+    signal sets the flag of *every* installed watcher that asked for it. So
+    two ``Checkpoint`` plugins both see a SIGTERM (both save), and ending a
+    fit restores the handlers whatever order the plugins uninstall in.
+    Once one watcher has agreed on a stop (:meth:`agreed`), the others
+    return that stop without communicating (:attr:`shared_stop`).
 
     A second SIGINT while a stop is pending raises ``KeyboardInterrupt`` at
     once (a user pressing Ctrl-C twice wants out now; the checkpoint being
@@ -82,51 +91,100 @@ class SignalWatcher:
         )
         #: the first signal received (its number), or None
         self.received: int | None = None
-        self._previous: dict = {}
+        self._installed = False
         self._group = _UNSET  # the CPU process group the flag is reduced on
 
     @property
     def installed(self) -> bool:
-        return bool(self._previous)
+        return self._installed
 
     def install(self) -> bool:
         """Install the handlers (main thread only: Python delivers signals
         there; elsewhere this does nothing and returns False)."""
-        if self._previous or threading.current_thread() is not threading.main_thread():
-            return bool(self._previous)
+        if self._installed or threading.current_thread() is not threading.main_thread():
+            return self._installed
         self.received = None
-        for sig in self.signals:
-            self._previous[sig] = signal.getsignal(sig)
-            signal.signal(sig, self._handle)
+        _HUB.add(self)
+        self._installed = True
         return True
 
     def uninstall(self) -> None:
-        """Put the previous handlers back."""
-        previous, self._previous = self._previous, {}
-        for sig, handler in previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        """Stop watching; the last watcher out puts the previous handlers back."""
+        if self._installed:
+            self._installed = False
+            _HUB.remove(self)
 
-    def _handle(self, signum, frame):
-        if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        if self.received is None:
-            self.received = signum
+    @property
+    def shared_stop(self) -> int | None:
+        """The stop some installed watcher of this process already agreed on
+        (every rank agreed on it at the same point), or None. Free."""
+        return _HUB.agreed if self._installed else None
 
     def agreed(self, accelerator) -> int | None:
         """The signal every rank agrees to stop on, or None. One process: the
         local flag (no communication). Several: the maximum over ranks, one
         all-reduce of an int on a CPU group; every rank must call this at the
-        same step (the first call also creates the group: a collective)."""
+        same step (the first call also creates the group: a collective).
+        A stop another watcher already agreed on is returned without
+        communicating."""
+        if self.shared_stop is not None:
+            return self.shared_stop
         if accelerator.num_processes <= 1:
-            return self.received
-        if self._group is _UNSET:
-            self._group = _cpu_group()
-        if self._group is False:
-            return self.received
-        flag = torch.tensor([self.received or 0], dtype=torch.int64)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._group)
-        value = int(flag)
-        return value or None
+            value = self.received
+        else:
+            if self._group is _UNSET:
+                self._group = _cpu_group()
+            if self._group is False:
+                value = self.received
+            else:
+                flag = torch.tensor([self.received or 0], dtype=torch.int64)
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._group)
+                value = int(flag) or None
+        if value is not None and self._installed:
+            _HUB.agreed = value
+        return value
+
+
+class _Hub:
+    """The process's one set of handlers for every installed
+    :class:`SignalWatcher`."""
+
+    def __init__(self):
+        self.watchers: list[SignalWatcher] = []
+        #: signal -> the handler that was there before the first watcher
+        self.previous: dict = {}
+        #: a stop some watcher agreed on (reset when the last one leaves)
+        self.agreed: int | None = None
+
+    def add(self, watcher) -> None:
+        if not self.watchers:
+            self.agreed = None
+        self.watchers.append(watcher)
+        for sig in watcher.signals:
+            if sig not in self.previous:
+                self.previous[sig] = signal.getsignal(sig)
+                signal.signal(sig, self._handle)
+
+    def remove(self, watcher) -> None:
+        self.watchers = [w for w in self.watchers if w is not watcher]
+        needed = {sig for w in self.watchers for sig in w.signals}
+        for sig in [s for s in self.previous if s not in needed]:
+            handler = self.previous.pop(sig)
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        if not self.watchers:
+            self.agreed = None
+
+    def _handle(self, signum, frame):
+        targets = [w for w in self.watchers if signum in w.signals]
+        if signum == signal.SIGINT and any(w.received is not None for w in targets):
+            raise KeyboardInterrupt
+        for watcher in targets:
+            if watcher.received is None:
+                watcher.received = signum
+
+
+#: the process-wide handlers (one per process, whatever the number of watchers)
+_HUB = _Hub()
 
 
 _UNSET = object()

@@ -53,7 +53,8 @@ class Checkpoint:
     name = "checkpoint"
 
     def __init__(self, every_steps=None, every_epoch=True, keep_last=3, dir=None,
-                 on_exception=False, signals=DEFAULT_SIGNALS, signal_check_every=10):
+                 on_exception=False, signals=DEFAULT_SIGNALS, signal_check_every=10,
+                 trust_pickles=()):
         for label, value in (("every_steps", every_steps), ("keep_last", keep_last)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"Checkpoint: {label} must be a positive int or None, got {value!r}")
@@ -67,10 +68,18 @@ class Checkpoint:
         self.signal_check_every = signal_check_every
         #: records the stop signal; ``watcher.received`` is this process's flag
         self.watcher = SignalWatcher(signals) if signals else None
+        if isinstance(trust_pickles, str):
+            trust_pickles = (trust_pickles,)
+        #: ``custom_checkpoint_<i>.pkl`` files that resuming may unpickle (see
+        #: :func:`hookloop.checkpointing.load`); by name only
+        self.trust_pickles = tuple(trust_pickles)
         #: the directory of the last checkpoint this plugin wrote
         self.last_saved: Path | None = None
         self._due = False
         self._stop = None
+        self._stop_saved = None  # saved for the agreed stop (several Checkpoint plugins)
+        self._fit_ended = False
+        self._pending = None  # a signal that came during the fit's end
         self._saved_position = None
         self._ready = False  # on_fit_start checked the directory
 
@@ -88,13 +97,14 @@ class Checkpoint:
             try:
                 checkpointing.check_writable(root)
                 checkpointing.clean(root)
-                _check_not_someone_elses(loop, root)
+                _check_foreign(loop, root)
                 _warn_newer(loop, root)
             except checkpointing.CheckpointError as exc:
                 error = str(exc)
         checkpointing._all_ok(loop.accelerator, error)  # every rank fails, none waits
         self._due = False
-        self._stop = None
+        self._stop = self._stop_saved = self._pending = None
+        self._fit_ended = False
         if self._saved_position is None and loop.resumed_from is not None:
             self._saved_position = loop.state.state_dict()  # where the resumed checkpoint is
         if self.watcher is not None:
@@ -108,7 +118,8 @@ class Checkpoint:
         if self.every_steps and step % self.every_steps == 0 and acc.sync_gradients:
             self._due = True  # (after the batch that completed update N, not its group's others)
         if self.watcher is not None and self._stop is None:
-            if acc.num_processes == 1 or step % self.signal_check_every == 0:
+            self._stop = self.watcher.shared_stop  # another Checkpoint plugin agreed already: free
+            if self._stop is None and (acc.num_processes == 1 or step % self.signal_check_every == 0):
                 self._stop = self.watcher.agreed(acc)
         if not acc.sync_gradients:
             return  # mid accumulation group: .grad holds a partial step that no checkpoint keeps
@@ -136,21 +147,26 @@ class Checkpoint:
             if loop.accelerator.sync_gradients and self._saved_position != loop.state.state_dict():
                 self._save(loop, "fit_end")
         finally:
-            pending = self.watcher.received if self.watcher is not None else None
+            self._pending = self.watcher.received if self.watcher is not None else None
             self._uninstall()
-        if pending is not None:
-            # too late to stop training, which is over: hand the signal to
-            # whatever handled it before the fit
-            import signal
+            self._fit_ended = True
+        # A signal that came in the fit's last steps or during its final save:
+        # that save is the stop's checkpoint. End as a preemption does (status
+        # 75), once every Checkpoint plugin has saved.
+        peers = checkpointing.checkpoint_plugins(loop)
+        if all(p._fit_ended for p in peers):
+            pending = next((p._pending for p in peers if p._pending is not None), None)
+            if pending is not None:
+                self._stop = pending
+                self._raise_preempted(loop, self.last_saved)
 
-            signal.raise_signal(pending)
-
-    @hookimpl
+    @hookimpl(wrapper=True)  # around the others: the handlers go back even if one of them raises
     def on_exception(self, loop, exception):
         try:
             if (self.on_exception_save and self._ready and isinstance(exception, Exception)
                     and not _poisoned(exception)):
                 self._emergency(loop, exception)
+            return (yield)
         finally:
             self._uninstall()
 
@@ -173,6 +189,15 @@ class Checkpoint:
         return self.last_saved
 
     def _preempted(self, loop, path):
+        """Saved for the stop: the last Checkpoint plugin (in call order) to
+        save for it ends the run; the ones before it return, so that every
+        Checkpoint plugin saves."""
+        self._stop_saved = path
+        peers = [p for p in checkpointing.checkpoint_plugins(loop) if p.watcher is not None]
+        if all(p._stop_saved is not None for p in peers):
+            self._raise_preempted(loop, path)
+
+    def _raise_preempted(self, loop, path):
         step = loop.state.global_step
         loop.print(
             f"hookloop: {signal_name(self._stop)} received: saved {path} after step {step}; "
@@ -206,18 +231,40 @@ class Checkpoint:
             self.watcher.uninstall()
 
 
-def _check_not_someone_elses(loop, root):
-    """A run starting from scratch next to another run's checkpoints would
-    overwrite them, and rotation would delete them: refuse."""
-    if loop.state.global_step or loop.resumed_from is not None:
-        return  # continuing: this run's own directory
-    found = checkpointing.list_checkpoints(root)
-    if found:
+def _check_foreign(loop, root):
+    """Checkpoints in ``root`` that are not this run's (another run's, a
+    copy, hookloop 0.1 ones not resumed from): a run starting from scratch,
+    or resumed from another directory, would mix its checkpoints with them
+    (replace them, and rotate them away): refuse. A run resumed from this
+    directory leaves them alone, with a warning."""
+    import os
+
+    foreign = checkpointing.foreign_checkpoints(loop, root)
+    if not foreign:
+        return
+    names = ", ".join(p.name for p in foreign[-3:])
+    runs = ", ".join(sorted({checkpointing.describe_run(p) for p in foreign}))
+    run = checkpointing.run_identity(loop)
+    if run.resumed_root is None:
         raise checkpointing.CheckpointError(
-            f"{str(root)!r} already holds checkpoints of a run ({', '.join(p.name for p in found[-3:])}) "
+            f"{str(root)!r} already holds checkpoints of a run ({names}) "
             "and this run starts from scratch: its checkpoints would replace them. Continue that "
             "run with resume_from='latest', or give Checkpoint(dir=...) another directory."
         )
+    if run.resumed_root != os.path.realpath(root):
+        raise checkpointing.CheckpointError(
+            f"{str(root)!r} holds checkpoints that are not this run's ({names}; {runs}), and this "
+            f"run resumed from {str(loop.resumed_from)!r}, in another directory: its checkpoints "
+            "would be mixed with them, replace them and rotate them away. Resume from that "
+            "directory's own checkpoints (resume_from='latest' with this dir), or give "
+            "Checkpoint(dir=...) an empty directory."
+        )
+    warnings.warn(
+        f"Checkpoint: {root} also holds {len(foreign)} checkpoint(s) that are not this run's "
+        f"({names}; {runs}): they are left alone, never replaced or rotated away",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def _warn_newer(loop, root):

@@ -15,10 +15,22 @@ class GradClip:
     gradient accumulation the intermediate gradients are partial and
     rank-local, and clipping them would change the result.
 
+    It also remembers, for free, the first updates whose gradient norm was
+    NaN or infinite (:meth:`first_nonfinite_update`): each norm is kept as
+    the tensor it is (no device sync) and the kept ones are checked
+    together every 256 updates or when asked, with one sync. A refused
+    checkpoint (:class:`hookloop.checkpointing.NonFiniteCheckpoint`) names
+    that update. Not with an fp16 gradient scaler, whose skipped overflow
+    steps have infinite norms by design.
+
     :param networks: names of the networks to clip (default: all).
     """
 
     name = "gradclip"
+    #: norms kept before they are checked together (one sync each time)
+    check_every = 256
+    #: non-finite updates remembered
+    remember = 16
 
     def __init__(self, max_norm=None, max_value=None, norm_type=2.0, networks=None):
         if (max_norm is None) == (max_value is None):
@@ -30,6 +42,10 @@ class GradClip:
         self.max_value = max_value
         self.norm_type = norm_type
         self.networks = set(networks) if networks is not None else None
+        #: ``(update, network, norm)`` of the first updates whose gradient norm
+        #: was not finite (at most ``remember``), once checked
+        self.nonfinite: list[tuple[int, str, float]] = []
+        self._norms: list = []  # (update, network, 0-d norm tensor), not checked yet
 
     @hookimpl
     def after_backward(self, loop, network):
@@ -39,8 +55,41 @@ class GradClip:
         if not accelerator.sync_gradients:
             return
         if self.max_norm is not None:
-            network.grad_norm = accelerator.clip_grad_norm_(
+            norm = network.grad_norm = accelerator.clip_grad_norm_(
                 network.model.parameters(), self.max_norm, norm_type=self.norm_type
             )
+            if accelerator.scaler is None and len(self.nonfinite) < self.remember:
+                self._norms.append((loop.state.global_step + 1, network.name, norm))
+                if len(self._norms) >= self.check_every:
+                    self._check()
         else:
             accelerator.clip_grad_value_(network.model.parameters(), self.max_value)
+
+    def first_nonfinite_update(self, after: int = 0):
+        """``(update, network, what)`` of the first update after ``after``
+        whose gradient norm was NaN or infinite, or None (checks the kept
+        norms: one device sync)."""
+        self._check()
+        for update, network, value in self.nonfinite:
+            if update > after:
+                return update, network, f"GradClip: the gradient norm of network {network!r} was {value}"
+        return None
+
+    def _check(self) -> None:
+        import torch
+
+        pending, self._norms = self._norms, []
+        norms = [(u, n, t) for u, n, t in pending if isinstance(t, torch.Tensor)]
+        if not norms:
+            return
+        by_device: dict = {}
+        for i, (*_, t) in enumerate(norms):
+            by_device.setdefault(t.device, []).append(i)
+        bad = []
+        for index in by_device.values():
+            ok = torch.stack([norms[i][2].detach().reshape(()).float() for i in index]).isfinite()
+            if not bool(ok.all()):  # one sync per device
+                bad += [index[j] for j in (~ok).nonzero().flatten().tolist()]
+        for i in sorted(bad)[: max(0, self.remember - len(self.nonfinite))]:
+            update, network, value = norms[i]
+            self.nonfinite.append((update, network, float(value)))
