@@ -223,7 +223,7 @@ def resolve(resume_from, root) -> Path | None:
                     stacklevel=3,
                 )
             return candidate
-        if name is not None and not problems:
+        if name is not None and not problems and len(order) > 1:
             warnings.warn(
                 f"hookloop: {root / LATEST} names {name!r}, which is not usable ({error}); "
                 "resuming from the newest usable checkpoint instead",
@@ -503,15 +503,20 @@ def _check_compatible(loop, path: Path, doc: dict, strict: bool) -> list[str]:
     messages = []
     saved_settings = doc.get("settings") or {}
     current_settings = run_settings(loop)
+    differ = []
     for key, was in saved_settings.items():
         now_value = current_settings.get(key)
         if key == "num_processes" or was is None or now_value is None or was == now_value:
             continue
-        msg = (f"{where} was written with {key}={was!r}; this run has {key}={now_value!r}: "
-               f"{_SETTINGS.get(key, 'the data order or the step count would differ')}")
+        differ.append(f"{key}={was!r} (this run has {key}={now_value!r}: "
+                      f"{_SETTINGS.get(key, 'the data order or the step count would differ')})")
+    if differ:
+        msg = (f"{where} was written with other settings than this run's, which decide the data "
+               f"order and the step count: {'; '.join(differ)}")
         if strict:
-            raise CheckpointError(msg + ". Pass strict=False to resume anyway (with a warning)")
-        messages.append(msg + "; resuming anyway (strict=False)")
+            raise CheckpointError(msg + ". The resumed run would not continue the saved one; pass "
+                                  "strict=False to resume anyway (with a warning)")
+        messages.append(msg + ". Resuming anyway (strict=False)")
     saved = set(doc["plugins"])
     current = dict(stateful_plugins(loop))
     only_saved = sorted(saved - set(current))
@@ -1583,9 +1588,11 @@ def load(loop, path, *, strict: bool = True, trust_pickles=None) -> Resume:
     plugin and run-setting mismatches only warn.
 
     Plugins restore after the networks (``load_state_dict``); a plugin with
-    a ``load_state_dict_early(state)`` method also gets its state before
-    any optimizer state is loaded, e.g. to add back the param group it
-    added during training.
+    a ``load_state_dict_early(state, loop)`` method also gets its state
+    before any network, optimizer or scheduler state is loaded, e.g. to add
+    back the param group it added during training (if the optimizer state
+    still does not fit, the param groups it added are taken out again and
+    the error names the network and the checkpoint).
 
     :param trust_pickles: names of ``custom_checkpoint_<i>.pkl`` files
         (objects given to ``accelerator.register_for_checkpointing``) that
@@ -1630,7 +1637,7 @@ def load(loop, path, *, strict: bool = True, trust_pickles=None) -> Resume:
             early = getattr(current.get(name), "load_state_dict_early", None)
             if callable(early):
                 try:
-                    early(state)
+                    early(state, loop)
                 except Exception as exc:  # noqa: BLE001
                     raise CheckpointError(f"{where}: plugin {name!r} could not restore early "
                                           f"(load_state_dict_early): {type(exc).__name__}: {exc}") from exc
@@ -1716,7 +1723,7 @@ def _check_optimizers(loop, staged: Staged, where: str, groups: bool) -> None:
                     f"{saved_sizes} parameters; this network's {cls} has {len(now_sizes)} of "
                     f"{now_sizes}. A plugin that adds a param group during training (unfreezing a "
                     "backbone) must add it again before the optimizer state is restored: give it a "
-                    "load_state_dict_early(state) method (docs/checkpoints.md, Plugin state)"
+                    "load_state_dict_early(state, loop) method (docs/checkpoints.md, Plugin state)"
                 )
             params = [p for g in now_groups for p in g["params"]]
             ids = [k for g in saved_groups for k in g["params"]]
