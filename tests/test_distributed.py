@@ -39,3 +39,19 @@ def test_two_processes_end_with_identical_parameters_and_log_once(tmp_path):
     assert [r["step"] for r in records if "loss" in r] == [2, 4, 6, 8]
     assert [r["epoch"] for r in records if "epoch" in r] == [0, 1]
     assert result.stdout.count("step 2 loss") == 1  # the console line: main process only
+
+
+@pytest.mark.slow
+def test_eval_every_predict_and_a_second_loop_in_two_processes(tmp_path):
+    launch_two("run_model_two_processes.py", tmp_path)
+    ranks = [json.loads((tmp_path / f"run-model-{r}.json").read_text()) for r in (0, 1)]
+    for r in ranks:
+        assert r["num_processes"] == 2
+        # eval_every=3 over 2 epochs of 4 updates: 3, 4 (epoch end), 6, 8 (epoch end)
+        assert r["first_global_step"] == 8 and len(r["evaluations"]) == 4
+        # every evaluation saw each of the 21 examples exactly once over both ranks
+        assert r["evaluations"] == [list(range(21))] * 4 and r["eval_lengths"] == [21] * 4
+        assert r["predict_shape"] == [21, 3] and r["predict_matches"]
+        # the second Loop trained after the first was closed
+        assert r["second_global_step"] == 4 and r["second_metrics"] == ["eval_accuracy", "eval_loss"]
+    assert ranks[0]["params"] == ranks[1]["params"]

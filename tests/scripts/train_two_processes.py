@@ -31,11 +31,10 @@ class CountEval:
     def __init__(self):
         self.seen = 0
 
-    @hookimpl(hookwrapper=False, wrapper=True)
-    def eval_step(self, loop, batch):
-        result = yield
-        self.seen += len(result["eval_accuracy"])
-        return result
+    @hookimpl
+    def after_eval_step(self, loop, batch):
+        if loop.state.stage == "eval":  # not the sanity check's batch
+            self.seen += len(loop.accelerator.gather_for_metrics(batch[1]))
 
 
 counter = CountEval()

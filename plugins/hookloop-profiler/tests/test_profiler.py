@@ -39,7 +39,8 @@ def test_the_table_lists_every_implemented_hook_of_every_plugin(tiny_loop, hookl
         assert rows[("recorder", hook)]["calls"] == hookloop_recorder.count(hook), hook
     assert rows[("supervised", "training_step")]["calls"] == 8 == profiler.steps
     assert rows[("gradclip", "after_backward")]["calls"] == 8
-    assert rows[("supervised", "eval_step")]["calls"] == 2  # 16 eval examples, batches of 8
+    # 16 eval examples, batches of 8, and the sanity check's one batch before training
+    assert rows[("supervised", "eval_step")]["calls"] == 3
     assert all(r["us_per_call"] > 0 for r in profiler.rows if r["calls"])
     # the shares of step time and the rest add up
     shares = sum(r["step_share"] for r in profiler.rows)
@@ -152,10 +153,10 @@ def test_each_fit_is_measured_afresh_and_nothing_is_timed_between_fits(tiny_loop
     loop.fit(epochs=1)
     first = rows_by_key(profiler)
     assert first[("supervised", "training_step")]["calls"] == 2
-    assert first[("supervised", "eval_step")]["calls"] == 2
+    assert first[("supervised", "eval_step")]["calls"] == 3  # the sanity check's batch + 2
     loop.evaluate()  # between fits: not measured
     assert rows_by_key(profiler) == first
     loop.fit(epochs=3)  # two more epochs
     again = rows_by_key(profiler)
     assert again[("supervised", "training_step")]["calls"] == 4 == profiler.steps
-    assert again[("supervised", "eval_step")]["calls"] == 4
+    assert again[("supervised", "eval_step")]["calls"] == 5  # sanity check + 2 epochs x 2

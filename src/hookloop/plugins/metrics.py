@@ -12,14 +12,15 @@ class DefaultMetrics:
     default plugin of the supervised strategy (block it with
     ``block=["metrics"]``).
 
-    - Targets that fit the logits (``logits[..., classes]`` against integer
-      targets of shape ``logits.shape[:-1]``): per-example cross-entropy and
-      accuracy of the arg-max, averaged over the positions of a sequence
-      (targets ``-100`` ignored, as Hugging Face models do).
+    - One integer target per example against logits ``(batch, classes)``:
+      per-example cross-entropy and accuracy of the arg-max.
     - Otherwise, when the model computed a loss itself (a causal language
       model given ``labels`` shifts them inside): ``eval_loss`` is that loss,
       counted once per example of the batch, as the Hugging Face Trainer
       counts it.
+    - Otherwise targets of shape ``logits.shape[:-1]`` (one per position):
+      cross-entropy and accuracy per example, averaged over its positions
+      (targets ``-100`` ignored, as Hugging Face models do).
 
     Values go through ``gather_for_metrics``: every example once over all
     processes.
@@ -32,22 +33,23 @@ class DefaultMetrics:
         gather = loop.accelerator.gather_for_metrics
         targets = targets_of(batch)
         logits = _logits_or_none(outputs)
-        if targets is not None and logits is not None and _fit(logits, targets):
-            loss, correct = _per_example(logits, targets)
-            loss, correct = gather((loss, correct))
-            return {"eval_loss": loss, "eval_accuracy": correct}
+        fit = targets is not None and logits is not None and _fit(logits, targets)
+        if fit and logits.ndim == 2:  # classification: one target per example
+            return dict(zip(("eval_loss", "eval_accuracy"), gather(_per_example(logits, targets))))
         loss = loss_of(outputs)
-        if loss is None:
-            what = "no targets" if targets is None else (
-                f"targets of shape {tuple(targets.shape)} that do not fit logits of shape "
-                f"{tuple(logits.shape) if logits is not None else '?'}")
-            raise ValueError(
-                f"eval_data batches have {what}, and the model returned no loss: pass "
-                "labels the model uses, or write a plugin that implements after_eval_step "
-                "(block=['metrics'] removes this one)"
-            )
-        n = _batch_size(batch, targets, logits)
-        return {"eval_loss": gather(loss.detach().float().reshape(1).repeat(n))}
+        if loss is not None:  # the model's own loss: it knows how its labels line up
+            n = _batch_size(batch, targets, logits)
+            return {"eval_loss": gather(loss.detach().float().reshape(1).repeat(n))}
+        if fit:  # one target per position (token classification), no loss from the model
+            return dict(zip(("eval_loss", "eval_accuracy"), gather(_per_example(logits, targets))))
+        what = "no targets" if targets is None else (
+            f"targets of shape {tuple(targets.shape)} that do not fit logits of shape "
+            f"{tuple(logits.shape) if logits is not None else '?'}")
+        raise ValueError(
+            f"eval_data batches have {what}, and the model returned no loss: pass "
+            "labels the model uses, or write a plugin that implements after_eval_step "
+            "(block=['metrics'] removes this one)"
+        )
 
 
 def _logits_or_none(outputs):

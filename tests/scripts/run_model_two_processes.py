@@ -1,0 +1,77 @@
+"""Run by tests/test_distributed.py under `accelerate launch --multi_gpu
+--num_processes 2` on CPU: evaluation every N updates and predict see each
+example exactly once over the two ranks; then a second Loop in the same
+script (a cross-validation fold) trains, because closing the first kept the
+process group."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader, TensorDataset
+
+from hookloop import Loop, hookimpl
+
+out = Path(sys.argv[1])
+
+
+class SeenIds:
+    """The example ids each evaluation saw, gathered over the ranks."""
+
+    def __init__(self):
+        self.evaluations = []
+
+    @hookimpl
+    def on_eval_start(self):
+        self.evaluations.append([])
+
+    @hookimpl
+    def after_eval_step(self, loop, batch):
+        if loop.state.stage == "eval":
+            self.evaluations[-1].extend(loop.accelerator.gather_for_metrics(batch[2]).tolist())
+
+
+def fold(seed):
+    set_seed(seed)
+    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
+    ids = torch.arange(21)
+    evald = DataLoader(TensorDataset(x[:21], y[:21], ids), batch_size=4)  # uneven: 21 = 2*4*2 + 5
+    return model, optimizer, train, evald, x
+
+
+accelerator = Accelerator(cpu=True)
+model, optimizer, train, evald, x = fold(0)
+seen = SeenIds()
+loop = Loop(model=model, optimizer=optimizer, train_data=train, eval_data=evald,
+            accelerator=accelerator, plugins=[seen], block=["progress"])
+loop.fit(epochs=2, eval_every=3)  # 4 updates an epoch per rank: at 3, 4 (epoch end), 6, 8
+predicted = loop.predict(DataLoader(TensorDataset(x[:21]), batch_size=4))
+plain = loop.networks["model"].unwrapped
+plain.eval()
+with torch.no_grad():
+    expected = plain(x[:21])
+report = {
+    "num_processes": accelerator.num_processes,
+    "evaluations": [sorted(e) for e in seen.evaluations],
+    "eval_lengths": [len(e) for e in seen.evaluations],
+    "predict_shape": list(predicted.shape),
+    "predict_matches": bool(torch.allclose(predicted, expected, atol=1e-5)),
+    "first_global_step": loop.state.global_step,
+}
+loop.close()
+
+# a second fold in the same script, a fresh Accelerator: needs the process group
+second = Accelerator(cpu=True)
+model, optimizer, train, evald, _ = fold(1)
+loop = Loop(model=model, optimizer=optimizer, train_data=train, eval_data=evald,
+            accelerator=second, block=["progress"])
+metrics = loop.fit(epochs=1)
+report.update(second_global_step=loop.state.global_step, second_metrics=sorted(metrics),
+              params=[p.detach().sum().item() for p in model.parameters()])
+(out / f"run-model-{accelerator.process_index}.json").write_text(json.dumps(report))
