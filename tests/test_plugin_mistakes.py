@@ -124,14 +124,15 @@ def test_the_same_object_given_twice_says_so():
 
 def test_two_objects_with_one_name_name_their_sources():
     class A:
-        name = "same"
+        def __init__(self, name):
+            self.name = name  # an instance's own name is kept as given
 
         @hookimpl
         def on_fit_start(self):
             pass
 
     with pytest.raises(PluginValidationError) as info:
-        tiny_loop([A(), A()])
+        tiny_loop([A("same"), A("same")])
     assert "two plugins are named 'same': both from code" in str(info.value)
 
 
