@@ -121,7 +121,7 @@ def test_errors_during_training_name_the_culprit_and_spare_the_checkpoints(root,
     kwargs, message = TRAINING[case]
     if "data" in kwargs:  # other data: the run settings differ, resuming needs strict=False
         loop = mlp_loop(root, **kwargs)
-        with pytest.warns(RuntimeWarning, match="batches_per_epoch=5; this run has"):
+        with pytest.warns(RuntimeWarning, match=r"batches_per_epoch=5 \(this run has"):
             loop.load_checkpoint("latest", strict=False)
     else:
         loop = mlp_loop(root, resume_from="latest", **kwargs)

@@ -582,3 +582,22 @@ def test_a_plugin_that_adds_a_param_group_restores_early_or_gets_a_clear_error(t
     assert len(resumed.networks["model"].optimizer.param_groups) == 2
     resumed.fit(max_steps=6)
     assert differing(params(resumed), params(reference)) == []
+
+
+# -- hookloop 0.1 checkpoints still load ------------------------------------------------------
+
+
+def test_a_version_1_checkpoint_still_resumes_and_its_run_rotates_as_before(tmp_path):
+    make(tmp_path, keep_last=None).fit(max_steps=4)
+    for ckpt in tmp_path.glob("step-*"):  # what hookloop 0.1 wrote: no checksums, no run id
+        file = ckpt / "hookloop.json"
+        doc = json.loads(file.read_text())
+        for key in ("crc32", "run_id", "root", "settings", "classes", "checks", "manifest_crc32"):
+            del doc[key]
+        doc["version"] = 1
+        doc["loop"].pop("micro_step")
+        file.write_text(json.dumps(doc))
+    loop = make(tmp_path, resume_from="latest", keep_last=2)
+    assert loop.state.global_step == 4 and loop.state.micro_step == 4
+    loop.fit(max_steps=8)
+    assert tree(tmp_path) == ["latest", "step-00000006", "step-00000008-epoch-end"]  # 0.1 ones rotated

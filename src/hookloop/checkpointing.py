@@ -24,15 +24,24 @@ hookloop's own state as data (JSON and safetensors, never a pickle)::
                                                  current epoch (to redraw its shuffle)
     hookloop.safetensors                         the tensors in plugin states
     hookloop.json                                written last: the loop position, which
-                                                 network is which file, each stateful
-                                                 plugin's state, and the size of every
-                                                 other file (a truncated copy is refused)
+                                                 network is which file (and its optimizer's
+                                                 and scheduler's class), each stateful
+                                                 plugin's state, the size and CRC-32 of
+                                                 every other file, the run id and root,
+                                                 the run settings, and its own CRC-32
 
-Accelerate loads ``optimizer.bin``, ``scheduler.bin`` and ``random_states``
-with ``torch.load(weights_only=True)``. hookloop does not hand its own state
-to ``accelerator.register_for_checkpointing``: Accelerate would write it with
-``torch.save`` and read it back with ``weights_only=False`` (a pickle: code
-execution from a tampered checkpoint).
+Nothing is written that is not finite (:class:`NonFiniteCheckpoint`), and
+rotation deletes only the run's own checkpoints (:func:`owns`).
+
+Loading (:func:`load`) is all or nothing: every file is read and verified
+first (:func:`stage`: sizes, checksums, ``torch.load(weights_only=True)`` or
+safetensors, random states, finiteness), then committed, as
+``accelerator.load_state`` would, by hookloop itself. hookloop does not hand
+its own state to ``accelerator.register_for_checkpointing``: Accelerate
+would write it with ``torch.save`` and read it back with
+``weights_only=False`` (a pickle: code execution from a tampered
+checkpoint); such objects of the user's load only as plain data, or when
+trusted by name (``trust_pickles``).
 
 Writes are atomic: a save goes into ``.tmp-<name>`` in the same root, every
 file is fsync'ed, the directory is renamed into place, and only then is
@@ -45,7 +54,9 @@ Plugin state protocol: every registered plugin with both ``state_dict()`` and
 returns data: dicts, lists, tuples, str, int, float, bool, None, tensors and
 numpy arrays (tensors come back on the CPU; tuples come back as tuples).
 ``load_state_dict`` is called after the networks are restored and before
-``on_fit_start``.
+``on_fit_start``; an optional ``load_state_dict_early(state, loop)`` is
+called before any network, optimizer or scheduler state is restored (to add
+back a param group the plugin added during training).
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ class Checkpoint:
         the accumulation group: partial gradients are not saved.
     :param every_epoch: save at the end of every epoch, after its evaluation
         and the other plugins' ``on_epoch_end`` (this hook is ``trylast``).
-    :param keep_last: how many checkpoints to keep (None: all).
+    :param keep_last: how many of this run's checkpoints to keep (None: all);
+        another run's are never deleted, nor the newest finite one.
     :param dir: the checkpoint root; default
         ``<accelerator.project_dir>/checkpoints`` (``./checkpoints`` without a
         project directory).
@@ -35,16 +36,25 @@ class Checkpoint:
         leave signal handling alone). The current optimizer step finishes, a
         checkpoint is saved, ``on_exception`` hooks run and
         :class:`~hookloop.preemption.Preempted` is raised: uncaught, the
-        process exits with status 75 (``PREEMPTED_EXIT_CODE``).
+        process exits with status 75 (``PREEMPTED_EXIT_CODE``). Every
+        Checkpoint plugin of a process shares one set of handlers: all of
+        them save, and the handlers from before the fit come back however it
+        ends. A signal during the fit's final save also ends with status 75.
     :param signal_check_every: with several processes, agree on a stop
         every N steps (one all-reduce of an int on a CPU group, ~0.1-0.3 ms
         on a 2-core machine); one process checks its flag every step, for
         free.
+    :param trust_pickles: names of ``custom_checkpoint_<i>.pkl`` files (the
+        state of objects given to ``accelerator.register_for_checkpointing``)
+        that resuming may unpickle although they are not plain data.
+        Unpickling runs the code a file names: trust only your own.
 
     Every fit also ends with a checkpoint of its final position, unless one
     was just saved there (or it ended inside an accumulation group). A run
-    starting from scratch in a directory that holds another run's
-    checkpoints is refused (they would be replaced and rotated away).
+    starting from scratch, or resumed from another directory, in a directory
+    that holds checkpoints not its own is refused (they would be replaced and
+    rotated away). A save of non-finite weights is refused
+    (:class:`~hookloop.checkpointing.NonFiniteCheckpoint`).
 
     Saving costs ~50 ms for a tiny MLP, ~0.35 s for a 10.5M-parameter MLP
     with Adam (126 MB), most of it fsync.
