@@ -1,4 +1,4 @@
-"""The ``hookloop`` command: list plugins and hooks, run the demos.
+"""The hookloop command: list plugins and hooks, run the demos.
 
     hookloop plugins [--json]     what a Loop would load, and why
     hookloop hooks                the hook reference
@@ -12,6 +12,7 @@ import argparse
 import importlib
 import inspect
 import json
+import re
 import sys
 
 from . import __version__, hookspecs
@@ -22,6 +23,7 @@ DEMOS = {
     "gan": "gan_digits",
     "digits": "digits_classifier",
     "text": "text_classification",
+    "distill": "distillation",
 }
 DEFAULT_DEMO = "gan"
 
@@ -29,20 +31,25 @@ DEFAULT_DEMO = "gan"
 def plugin_rows(block=()) -> list[dict]:
     """Every plugin a ``Loop`` could run: built-ins and installed ones, with
     whether it is active and why."""
-    from .plugins import BUILTINS
-    from .strategies import Supervised
+    from .plugins import BUILTINS, FiniteCheck, ProgressBar
+    from .strategies import GAN, Distillation, Supervised
 
     blocked = plugin_manager.blocked_names(block)
     rows = []
-    defaults = {"supervised": Supervised, "loss": BUILTINS["loss"], "progress": BUILTINS["progress"],
-                "finite": BUILTINS["finite"]}
-    for name, cls in {**defaults, **BUILTINS}.items():
+    # what Loop(...) registers without being asked: the default strategy, its
+    # default plugins, the progress bar and the finiteness check
+    strategy = Supervised()
+    defaults = {plugin_manager.plugin_name(p): type(p)
+                for p in (strategy, *strategy.default_plugins(), ProgressBar(), FiniteCheck())}
+    strategies = {"gan": GAN, "distillation": Distillation}
+    for name, cls in {**defaults, **BUILTINS, **strategies}.items():
         if any(r["name"] == name for r in rows):
             continue
-        default = name in defaults
-        if name in blocked and name != "supervised":
+        if name in strategies:
+            status, why = "available", f"a strategy: Loop(..., strategy={cls.__name__}(...))"
+        elif name in blocked and name != strategy.name:
             status, why = "blocked", "blocked by name"
-        elif default:
+        elif name in defaults:
             status, why = "active", "built-in default"
         else:
             status, why = "available", f"built-in: switch on with plugins=[{cls.__name__}(...)] or plugins=[{name!r}]"
@@ -53,6 +60,7 @@ def plugin_rows(block=()) -> list[dict]:
             "version": __version__,
             "object": f"{cls.__module__}.{cls.__qualname__}",
             "hooks": plugin_manager.implemented_hooks(cls),
+            "changes_training": plugin_manager.changes_training(cls),
             "status": status,
             "reason": why,
         })
@@ -71,10 +79,15 @@ def plugin_rows(block=()) -> list[dict]:
             "version": item.version,
             "object": item.entry_point.value,
             "hooks": item.hooks,
+            "changes_training": item.changes_training if item.error is None else None,
             "status": status,
             "reason": why,
         })
     return rows
+
+
+#: how ``hookloop plugins`` shows a plugin's ``changes_training``
+CHANGES_TRAINING = {True: "yes", False: "no (an observer)", None: "not declared"}
 
 
 def hook_reference() -> str:
@@ -102,6 +115,7 @@ def _cmd_plugins(args) -> int:
         where = r["source"] if r["source"] == "built-in" else f"{r['distribution']} {r['version']}"
         print(f"{r['name']:<14} {r['status']:<10} {where}")
         print(f"{'':<14} hooks: {', '.join(r['hooks']) or '-'}")
+        print(f"{'':<14} changes training: {CHANGES_TRAINING[r['changes_training']]}")
         print(f"{'':<14} {r['reason']}")
     return 0
 
@@ -120,8 +134,15 @@ def _cmd_demo(args) -> int:
     return module.main(args.args) or 0
 
 
+def plain(text: str) -> str:
+    """Docstring text for a terminal: reST literals (````x````) and roles
+    (``:class:`x```) become plain words."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
+    return re.sub(r"``([^`]+)``", r"\1", text)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hookloop", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="hookloop", description=plain(__doc__.splitlines()[0]))
     parser.add_argument("--version", action="version", version=f"hookloop {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plugins", help="list the plugins a Loop would load")

@@ -107,6 +107,11 @@ class Installed:
         as soon as it is installed (``autoload = True`` on the object)."""
         return bool(getattr(self.obj, "autoload", False))
 
+    @property
+    def changes_training(self) -> bool | None:
+        """What the author declared (see :func:`changes_training`)."""
+        return changes_training(self.obj)
+
     def describe(self) -> str:
         dist = f"{self.distribution} {self.version}" if self.distribution else "?"
         return f"entry point {self.name!r} ({self.entry_point.value}) of distribution {dist}"
@@ -170,6 +175,18 @@ def discover() -> list[Installed]:
     return found
 
 
+def changes_training(plugin) -> bool | None:
+    """Whether a plugin (object or class) changes the numbers of a training
+    run (loss, gradients, weights, data, stopping), as its author declared
+    with a ``changes_training`` attribute: ``True``, ``False``, or ``None``
+    when undeclared. ``autoload = True`` without it declares an observer
+    (``False``). ``hookloop plugins`` shows it."""
+    declared = getattr(plugin, "changes_training", None)
+    if isinstance(declared, bool):
+        return declared
+    return False if getattr(plugin, "autoload", False) is True else None
+
+
 def autoload_considered(name: str, block=()) -> bool:
     """Whether the environment lets an installed plugin of this name autoload
     at all (before looking at the plugin itself)."""
@@ -190,8 +207,18 @@ def autoload_decision(item: Installed, block=()) -> tuple[bool, str]:
     allow = _env_list(ENV_LOAD)
     if allow is not None and item.name not in allow:
         return False, f"not in {ENV_LOAD}; name it in plugins=[...] to use it"
+    changes = item.changes_training
     if not item.autoload:
+        if changes is False:
+            return False, ("observer (changes_training = False), but its author did not set "
+                           "autoload = True: acts only when named in plugins=[...]")
+        if changes is None:
+            return False, ("acts only when named in plugins=[...] (its author declared neither "
+                           "autoload nor changes_training)")
         return False, "changes training: acts only when named in plugins=[...]"
+    if changes:
+        return False, ("declares autoload = True and changes_training = True: a plugin that "
+                       "changes training never autoloads; name it in plugins=[...]")
     return True, "observer: its author set autoload = True"
 
 

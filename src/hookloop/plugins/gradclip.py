@@ -27,6 +27,7 @@ class GradClip:
     """
 
     name = "gradclip"
+    changes_training = True
     #: norms kept before they are checked together (one sync each time)
     check_every = 256
     #: non-finite updates remembered

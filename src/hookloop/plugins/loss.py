@@ -15,6 +15,7 @@ class DefaultLoss:
     """
 
     name = "loss"
+    changes_training = True
 
     @hookimpl(trylast=True)
     def compute_loss(self, network, batch, outputs):

@@ -37,6 +37,7 @@ class SampleGrid:
     """
 
     name = "samples"
+    changes_training = False  # renders from fixed latents, every random state put back
 
     def __init__(self, directory="samples", n=64, nrow=None, latent=None, seed=0,
                  image_shape=None, value_range=(-1.0, 1.0), scale=4, every=1,

@@ -42,6 +42,8 @@ class Strategy:
     #: wrapper), keeps them in eval mode and never calls ``.train()`` on them.
     #: The strategy sets ``requires_grad`` on their parameters itself.
     frozen_networks: tuple[str, ...] = ()
+    #: a strategy decides what a step does (``hookloop plugins`` shows this)
+    changes_training = True
 
     def check_networks(self, networks: Mapping) -> None:
         """Called by ``Loop(...)`` with ``{name: Network}`` before anything is
