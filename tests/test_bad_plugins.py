@@ -76,14 +76,15 @@ def test_nothing_trains_when_a_plugin_is_refused():
 
 def test_two_plugins_with_one_name_are_refused_naming_both_sources():
     class A:
-        name = "same"
+        def __init__(self, name):
+            self.name = name  # an explicit name: kept, so two alike clash
 
         @hookimpl
         def on_fit_start(self):
             pass
 
     with pytest.raises(PluginValidationError, match="two plugins are named 'same'"):
-        tiny_loop([A(), A()])
+        tiny_loop([A("same"), A("same")])
 
 
 def test_an_exception_in_a_hookimpl_names_the_plugin_and_the_hook():

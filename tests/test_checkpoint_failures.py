@@ -102,7 +102,7 @@ def test_an_exception_calls_on_exception_closes_bar_and_trackers_and_names_the_p
         loop.fit(epochs=1)
     assert recorder.names() == ["on_exception"]
     assert bar.bar is None
-    assert logger._started_trackers is False  # Logger ended the trackers it had started
+    assert loop.accelerator.trackers == []  # the loop ended the trackers it had started
     # an emergency checkpoint beside the regular ones; latest still names a regular one
     assert (tmp_path / "latest").read_text().strip() == "step-00000002"
     doc = json.loads((tmp_path / "emergency-step-00000003" / "hookloop.json").read_text())

@@ -52,6 +52,8 @@ def test_eval_every_predict_and_a_second_loop_in_two_processes(tmp_path):
         # every evaluation saw each of the 21 examples exactly once over both ranks
         assert r["evaluations"] == [list(range(21))] * 4 and r["eval_lengths"] == [21] * 4
         assert r["predict_shape"] == [21, 3] and r["predict_matches"]
+        # loop.log(on_epoch=True): over the epoch and both ranks; a key one rank logged
+        assert r["epoch_values"] == {"rank_mean": 0.5, "rank_max": 1.0, "only_on_one": 7.0}
         # the second Loop trained after the first was closed
         assert r["second_global_step"] == 4 and r["second_metrics"] == ["eval_accuracy", "eval_loss"]
     assert ranks[0]["params"] == ranks[1]["params"]

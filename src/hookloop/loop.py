@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import inspect
 import os
 import sys
 import weakref
@@ -23,6 +24,7 @@ from torch.utils.data import DataLoader
 from . import checkpointing
 from . import manager as plugin_manager
 from .accelerate_fastpath import FastPath
+from .epoch_values import EpochValues
 from .errors import PluginLoadError, PluginValidationError
 from .network import Network
 from .plugins import BUILTINS, FiniteCheck, ProgressBar
@@ -98,6 +100,10 @@ class Loop:
         self._in_group = 0  # batches of the current accumulation group trained so far
         self._evaluated_at = None  # the global_step of the last eval_every evaluation
         self._in_guard = False
+        self._train_values = EpochValues()  # loop.log(on_epoch=True) while training
+        self._eval_values = EpochValues()  # ... while evaluating
+        self._started_trackers = False
+        self._fitting = False
         self._epoch_rng = None  # what this epoch's data iterator started from (for resume)
         self._resume = None  # how to continue after load_checkpoint, used by fit
         #: the checkpoint directory the last :meth:`load_checkpoint` restored
@@ -128,6 +134,66 @@ class Loop:
     def skip_batch(self):
         """From ``before_step``: do not train on the current batch."""
         self.state.skip_batch = True
+
+    def log(self, values: Mapping[str, Any], *, on_step: bool = True, on_epoch: bool = False,
+            reduce: str = "mean") -> None:
+        """Log ``values`` (numbers or tensors, by name) from any hook, on
+        every process.
+
+        :param on_step: write them now to every tracker of the accelerator
+            (``Accelerator(log_with=...)``, :class:`~hookloop.trackers.JSONLinesTracker`
+            included) at ``step=loop.state.global_step``, from the main
+            process (its values: reduce them first for a mean over
+            processes). Without trackers nothing is read (no device sync).
+        :param on_epoch: reduce them over the epoch and over processes
+            (``reduce``: ``"mean"``, ``"sum"``, ``"max"``, ``"min"``; a
+            tensor of several values counts each) and put the result under
+            the same key into the ``metrics`` of the epoch
+            (``on_epoch_end``, the epoch-end ``on_eval_end``, what ``fit``
+            returns). Logged during an evaluation, they go into that
+            evaluation's metrics. Tensors stay on the device until the end
+            of the epoch: no sync per step.
+        """
+        if on_epoch:
+            stage = self.state.stage
+            if stage == "eval":
+                self._eval_values.add(values, reduce)
+            elif stage not in ("sanity_check", "predict"):
+                self._train_values.add(values, reduce)
+        if on_step:
+            acc = self.accelerator
+            if not acc.is_main_process:
+                return
+            if not acc.trackers and not (self._fitting and self.start_trackers()):
+                return  # nobody to write to: nothing read
+            acc.log({k: v.item() if isinstance(v, torch.Tensor) else v for k, v in values.items()},
+                    step=self.state.global_step)
+
+    def start_trackers(self, project_name: str = "hookloop", config: dict | None = None,
+                       init_kwargs: dict | None = None) -> bool:
+        """Start the accelerator's trackers (``accelerator.init_trackers``)
+        if it has some configured and none started; the loop finishes the
+        trackers it started when the fit ends, by any path.
+
+        ``fit`` calls it with the defaults after ``on_fit_start``; a plugin
+        calls it in ``on_fit_start`` to choose the project name or store a
+        run configuration. Returns whether trackers are running."""
+        acc = self.accelerator
+        if acc.trackers or not acc.log_with:
+            return bool(acc.trackers)
+        acc.init_trackers(project_name, config=config, init_kwargs=init_kwargs or {})
+        self._started_trackers = True
+        return bool(acc.trackers) or not acc.is_main_process
+
+    def _end_trackers(self):
+        if self._started_trackers:
+            self._started_trackers = False
+            acc = self.accelerator
+            for tracker in acc.trackers:
+                tracker.finish()
+            # the next fit starts them afresh; not accelerator.end_training(),
+            # which also destroys the process group
+            acc.trackers = []
 
     def accumulate(self, *models):
         """``accelerator.accumulate(*models)`` when gradient accumulation is
@@ -190,8 +256,11 @@ class Loop:
         state.max_epochs, state.max_steps = epochs, max_steps
         state.should_stop, state.stop_reason, state.skip_batch = False, None, False
         metrics: dict = {}
-        with self._guard(), self._stage("train"):
+        # trackers end last, after on_exception: a plugin may still log there
+        with self._trackers_for_fit(), self._guard(), self._stage("train"):
+            self._train_values.clear()
             self.hook.on_fit_start(loop=self)
+            self.start_trackers()  # unless a plugin started them in on_fit_start
             self._start_accumulation()  # after on_fit_start: a plugin may set it there
             if sanity_check and self.eval_data is not None:
                 self._sanity_check()
@@ -213,11 +282,12 @@ class Loop:
                     batches = self.train_data
                 state.epoch_complete = self._train_epoch(hook, batches, max_steps, eval_every)
                 hook.on_train_epoch_end(loop=self, epoch=epoch)
-                metrics = {}
+                metrics = self._train_values.reduce(self.accelerator)  # loop.log(on_epoch=True)
                 if self.eval_data is not None:
                     # an epoch ended early evaluates without a trace in the random
                     # states: the next fit continues the epoch as if it had not stopped
-                    metrics = self._evaluate(self.eval_data, keep_rng=not state.epoch_complete)
+                    metrics = self._evaluate(self.eval_data, keep_rng=not state.epoch_complete,
+                                             metrics=metrics)
                 hook.on_epoch_end(loop=self, epoch=epoch, metrics=metrics)
                 if state.epoch_complete:
                     state.epoch += 1
@@ -375,18 +445,20 @@ class Loop:
                 parts.append(gather(self._eval_outputs(batch)))
         return _concat(parts)
 
-    def _evaluate(self, data, keep_rng: bool) -> dict:
+    def _evaluate(self, data, keep_rng: bool, metrics: dict | None = None) -> dict:
         """One evaluation. ``keep_rng``: put the global random states back
         afterwards (iterating a DataLoader draws a seed from them), so that
         an evaluation in the middle of an epoch changes nothing in training.
         Only the evaluation at the end of a whole epoch draws, as the
-        hand-written Accelerate loop's does."""
+        hand-written Accelerate loop's does. ``metrics``: entries to start
+        from (the epoch's ``loop.log(on_epoch=True)`` values)."""
         hook = self.hook
         state = self.state
         stage, state.stage = state.stage, "eval"
         sums: dict = {}
         counts: dict = {}
         rng = checkpointing.capture_rng() if keep_rng else None
+        self._eval_values.clear()
         try:
             with self._eval_mode():
                 hook.on_eval_start(loop=self)
@@ -396,7 +468,8 @@ class Loop:
                         for values in hook.after_eval_step(loop=self, batch=batch, outputs=outputs):
                             _add_metrics(self, values, sums, counts)
                 means = [sums[key] / max(counts[key], 1) for key in sums]
-                metrics = dict(zip(sums, torch.stack(means).tolist())) if means else {}
+                metrics = {**(metrics or {}), **self._eval_values.reduce(self.accelerator)}
+                metrics.update(zip(sums, torch.stack(means).tolist()) if means else ())
                 hook.on_eval_end(loop=self, metrics=metrics)
         finally:
             state.stage = stage
@@ -465,6 +538,15 @@ class Loop:
                 model.train(training)
 
     @contextlib.contextmanager
+    def _trackers_for_fit(self):
+        self._fitting = True
+        try:
+            yield
+        finally:
+            self._fitting = False
+            self._end_trackers()
+
+    @contextlib.contextmanager
     def _stage(self, stage):
         state = self.state
         before, state.stage = state.stage, stage
@@ -517,10 +599,12 @@ class Loop:
             if isinstance(item, (str, tuple)):
                 if installed is None:
                     installed = {i.name: i for i in plugin_manager.discover()}
-                plugin, source = _resolve_named(item, installed)
+                plugin, source, explicit, base = _resolve_named(item, installed)
             else:
-                plugin, source = item, "code"
-            user.append((plugin, plugin_manager.plugin_name(plugin), source))
+                plugin, source, explicit = item, "code", _explicit_name(item)
+                base = plugin_manager.plugin_name(item)
+            user.append((plugin, explicit, base, source))
+        user = _name_instances(user)
         user_names = {name for _, name, _ in user}
         if installed is None and not os.environ.get(plugin_manager.ENV_DISABLE_AUTOLOAD):
             installed = {i.name: i for i in plugin_manager.discover()}
@@ -585,6 +669,7 @@ class Loop:
         self._prepared = weakref.WeakKeyDictionary()
         self._fastpath.forget()
         try:
+            self._end_trackers()
             self.accelerator.free_memory()
         except Exception:  # noqa: BLE001 - best effort
             pass
@@ -624,28 +709,72 @@ def _networks(model, optimizer, scheduler, networks, strategy) -> dict[str, Netw
     return out
 
 
+def _explicit_name(plugin) -> str | None:
+    """The name a plugin object was given itself (an instance attribute
+    ``name``, a module's name), or None: then it is named after its class,
+    and several instances are told apart by number."""
+    if inspect.ismodule(plugin):
+        return plugin.__name__
+    name = vars(plugin).get("name") if hasattr(plugin, "__dict__") else None
+    return name if isinstance(name, str) and name else None
+
+
+def _name_instances(entries):
+    """``(plugin, explicit name or None, base name, source)`` ->
+    ``(plugin, name, source)``.
+
+    Explicit names are kept (two alike are an error at registration, naming
+    both). A plugin without one takes its class's name (``Logger``:
+    ``"logger"``); the next instance of that name becomes ``"logger-2"``,
+    then ``"logger-3"``: deterministic, so the same script gives the same
+    names and a checkpoint's plugin states find their plugins again."""
+    taken = {explicit for _, explicit, _, _ in entries if explicit is not None}
+    out = []
+    for plugin, explicit, base, source in entries:
+        name = explicit
+        if name is None:
+            name, n = base, 1
+            while name in taken:
+                n += 1
+                name = f"{base}-{n}"
+            taken.add(name)
+        out.append((plugin, name, source))
+    return out
+
+
 def _resolve_named(item, installed):
+    """A plugin given by name: ``(plugin, source, explicit name or None,
+    base name)``.
+    ``("logger", {"name": "fast", "every": 2})``: the option ``name`` names
+    the instance (and is passed on only to a class that takes ``name``)."""
     name, options = (item, None) if isinstance(item, str) else item
     if not isinstance(name, str) or (options is not None and not isinstance(options, Mapping)):
         raise PluginValidationError(
             item, f"plugin given as {item!r}: expected 'name' or ('name', {{options}})"
         )
+    options = dict(options or {})
+    given = options.get("name")
+    if given is not None and not (isinstance(given, str) and given):
+        raise PluginValidationError(item, f"plugin {name!r}: option 'name' must be a non-empty str, got {given!r}")
     if name in BUILTINS:
+        cls = BUILTINS[name]
+        if given is not None and "name" not in inspect.signature(cls).parameters:
+            del options["name"]
         try:
-            return BUILTINS[name](**(options or {})), "built-in"
+            plugin = cls(**options)
         except TypeError as exc:
             raise PluginValidationError(
-                item, f"built-in plugin {name!r} cannot be created with {options or {}}: {exc}"
+                item, f"built-in plugin {name!r} cannot be created with {options}: {exc}"
             ) from exc
+        return plugin, "built-in", given, plugin_manager.plugin_name(plugin)
     if name in installed:
         entry = installed[name]
-        plugin = entry.instantiate(options)
-        if plugin_manager.plugin_name(plugin) != name:
-            try:
-                plugin.name = name  # the entry-point name is the one users see
-            except AttributeError:
-                pass
-        return plugin, entry.describe()
+        if given is not None and not (inspect.isclass(entry.obj)
+                                      and "name" in inspect.signature(entry.obj).parameters):
+            del options["name"]
+        plugin = entry.instantiate(options or None)
+        # numbered after the entry-point name, the one users see
+        return plugin, entry.describe(), given or _explicit_name(plugin), name
     known = sorted(set(BUILTINS) | set(installed))
     raise PluginLoadError(
         f"no plugin named {name!r}: not built in and not installed "

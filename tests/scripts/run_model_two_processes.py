@@ -45,12 +45,24 @@ def fold(seed):
     return model, optimizer, train, evald, x
 
 
+class RankValuesOk:
+    """loop.log(on_epoch=True) of values that differ by rank: reduced over both."""
+
+    @hookimpl
+    def after_step(self, loop):
+        rank = float(loop.accelerator.process_index)
+        loop.log({"rank_mean": torch.tensor(rank)}, on_step=False, on_epoch=True)
+        loop.log({"rank_max": rank}, on_step=False, on_epoch=True, reduce="max")
+        if rank == 1:
+            loop.log({"only_on_one": 7.0}, on_step=False, on_epoch=True)
+
+
 accelerator = Accelerator(cpu=True)
 model, optimizer, train, evald, x = fold(0)
 seen = SeenIds()
 loop = Loop(model=model, optimizer=optimizer, train_data=train, eval_data=evald,
-            accelerator=accelerator, plugins=[seen], block=["progress"])
-loop.fit(epochs=2, eval_every=3)  # 4 updates an epoch per rank: at 3, 4 (epoch end), 6, 8
+            accelerator=accelerator, plugins=[seen, RankValuesOk()], block=["progress"])
+epoch_metrics = loop.fit(epochs=2, eval_every=3)  # 4 updates an epoch per rank: at 3, 4 (epoch end), 6, 8
 predicted = loop.predict(DataLoader(TensorDataset(x[:21]), batch_size=4))
 plain = loop.networks["model"].unwrapped
 plain.eval()
@@ -63,6 +75,7 @@ report = {
     "predict_shape": list(predicted.shape),
     "predict_matches": bool(torch.allclose(predicted, expected, atol=1e-5)),
     "first_global_step": loop.state.global_step,
+    "epoch_values": {k: epoch_metrics[k] for k in ("rank_mean", "rank_max", "only_on_one")},
 }
 loop.close()
 

@@ -1,4 +1,4 @@
-"""Loss, learning rate and gradient norm to Accelerate's trackers and the console."""
+"""Loss, learning rates and gradient norms to Accelerate's trackers and the console."""
 
 from collections.abc import Mapping
 
@@ -6,20 +6,21 @@ from ..markers import hookimpl
 
 
 class Logger:
-    """Every ``every`` optimizer updates, log the loss (of the batch that
-    completed the update) (averaged over processes), each
-    network's learning rate and, when a clipping plugin measured it, its
-    gradient norm; at every epoch end, the epoch's metrics.
+    """Every ``every`` optimizer updates, log the loss of the batch that
+    completed the update (averaged over processes), every param group's
+    learning rate (``lr``, ``lr/group1``, ...; with several networks
+    ``lr/<network>``, ``lr/<network>/group1``) and, when a clipping plugin
+    measured it, the gradient norm; at every epoch end, the epoch's metrics.
 
-    Values go to ``accelerator.log`` — every tracker Accelerate supports
+    Values go through :meth:`Loop.log` to every tracker Accelerate supports
     (``Accelerator(log_with="tensorboard", project_dir=...)``, W&B, ...,
-    or :class:`hookloop.trackers.JSONLinesTracker`) — and, with
+    or :class:`hookloop.trackers.JSONLinesTracker`) and, with
     ``console=True``, to one printed line. Only the main process writes.
 
     ``every`` is not 1 by default: reading a loss value synchronises a GPU.
-    If the accelerator has trackers configured but not started, this plugin
-    starts them (``init_trackers(project_name, config)``) and ends them at
-    the end of the fit.
+    ``project_name`` and ``config`` are what the trackers are started with
+    (``accelerator.init_trackers``); the loop finishes them when the fit ends.
+    Several loggers may run side by side (``logger``, ``logger-2``).
     """
 
     name = "logger"
@@ -31,14 +32,10 @@ class Logger:
         self.console = console
         self.project_name = project_name
         self.config = config
-        self._started_trackers = False
 
-    @hookimpl
+    @hookimpl(tryfirst=True)  # before any plugin logs: the trackers get this project name
     def on_fit_start(self, loop):
-        accelerator = loop.accelerator
-        if accelerator.log_with and not accelerator.trackers:
-            accelerator.init_trackers(self.project_name, config=self.config)
-            self._started_trackers = True
+        loop.start_trackers(self.project_name, config=self.config)
 
     @hookimpl
     def after_step(self, loop, loss):
@@ -53,13 +50,15 @@ class Logger:
             if accelerator.num_processes > 1:  # a collective: every rank is here
                 value = accelerator.reduce(value, reduction="mean")
             values["loss" if name is None else f"loss/{name}"] = value.item()
+        several = len(loop.networks) > 1
         for name, network in loop.networks.items():
-            suffix = "" if len(loop.networks) == 1 else f"/{name}"
+            suffix = f"/{name}" if several else ""
             if network.optimizer is not None:
-                values["lr" + suffix] = network.optimizer.param_groups[0]["lr"]
+                for i, group in enumerate(network.optimizer.param_groups):
+                    values["lr" + suffix + (f"/group{i}" if i else "")] = group["lr"]
             if network.grad_norm is not None:
                 values["grad_norm" + suffix] = float(network.grad_norm)
-        accelerator.log(values, step=step)
+        loop.log(values)
         if self.console:
             loop.print(f"step {step} " + " ".join(f"{k} {_fmt(v)}" for k, v in values.items()))
 
@@ -67,26 +66,9 @@ class Logger:
     def on_epoch_end(self, loop, epoch, metrics):
         if not metrics:
             return
-        loop.accelerator.log({**metrics, "epoch": epoch}, step=loop.state.global_step)
+        loop.log({**metrics, "epoch": epoch})
         if self.console:
             loop.print(f"epoch {epoch} " + " ".join(f"{k} {_fmt(v)}" for k, v in metrics.items()))
-
-    @hookimpl
-    def on_fit_end(self, loop):
-        self._end(loop)
-
-    @hookimpl
-    def on_exception(self, loop, exception):
-        self._end(loop)
-
-    def _end(self, loop):
-        if self._started_trackers:
-            # not accelerator.end_training(): it also destroys the process
-            # group, and a later evaluate() or fit() in several processes
-            # then fails at its first collective
-            for tracker in loop.accelerator.trackers:
-                tracker.finish()
-            self._started_trackers = False
 
 
 def _fmt(value):

@@ -70,6 +70,10 @@ class GAN(Strategy):
         discriminator trains on every batch; the generator on every
         ``n_critic``-th discriminator update (under gradient accumulation, on
         every batch of every ``n_critic``-th accumulation group).
+        ``loop.state.global_step`` counts the discriminator's updates: one
+        per batch (per accumulation group), whether or not the generator
+        also trained on it, so ``fit(max_steps=N)`` means N discriminator
+        updates and N / n_critic generator updates.
     :param latent_sampler: ``latent_sampler(n, generator) -> z``, the latent
         batch of ``n`` samples, passed as ``G(z)``. It must draw from
         ``generator`` (a ``torch.Generator`` on the training device), which
