@@ -80,3 +80,57 @@ def test_the_command_writes_refuses_to_overwrite_and_rejects_bad_names(tmp_path,
     assert main(["new-plugin", "Demo_Thing", "--dir", str(tmp_path)]) == 2
     assert "plugin name 'Demo_Thing'" in capsys.readouterr().err
     assert not (tmp_path / "hookloop-Demo_Thing").exists()
+
+
+def test_the_next_line_installs_the_folder_not_a_name_from_the_index(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["new-plugin", "demo-thing"]) == 0
+    out = capsys.readouterr().out
+    # without ./ pip would look the name up on the package index
+    assert "next: pip install ./hookloop-demo-thing && pytest hookloop-demo-thing/tests" in out
+    assert main(["new-plugin", "other", "--dir", "sub dir"]) == 0
+    assert "next: pip install './sub dir/hookloop-other'" in capsys.readouterr().out
+
+
+def _install_without_pip(root, site):
+    """What ``pip install`` leaves for importlib.metadata: a dist-info folder
+    with the entry points, on a path the test process imports from."""
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    info = site / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\n"
+                                   f"Version: {project['version']}\n")
+    lines = ["[hookloop]", *(f"{k} = {v}" for k, v in project["entry-points"]["hookloop"].items())]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+
+
+def _run_generated_tests(root, site):
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(root / "src")])}
+    env.pop("HOOKLOOP_DISABLE_PLUGIN_AUTOLOAD", None)  # as on a user's machine
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(root / "tests")], capture_output=True, text=True, env=env,
+                          cwd=root, timeout=300)
+
+
+@pytest.mark.slow  # two pytest runs in subprocesses, ~10 s each
+def test_the_generated_test_fails_when_the_plugin_autoloads(tmp_path):
+    """The generated distribution's own tests pass as written, and its
+    'acts only when named' test catches a plugin that sets autoload = True."""
+    root = write("demo-thing", tmp_path)
+    _install_without_pip(root, tmp_path / "site")
+    passed = _run_generated_tests(root, tmp_path / "site")
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    assert "2 passed" in passed.stdout
+
+    module = root / "src" / "hookloop_demo_thing" / "__init__.py"
+    source = module.read_text()
+    assert "    autoload = False\n" in source
+    module.write_text(source.replace("    autoload = False\n", "    autoload = True\n"))
+    failed = _run_generated_tests(root, tmp_path / "site")
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "1 failed, 1 passed" in failed.stdout
+    assert "test_installed_it_acts_only_when_named" in failed.stdout
+    assert "the plugin loads without being named" in failed.stdout

@@ -15,7 +15,9 @@ that passes as generated. Users switch the plugin on with
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -100,6 +102,9 @@ class {cls}:
 
     #: the name users give in plugins=[...], also the entry point's name
     name = "{name}"
+    #: whether the plugin changes the numbers of a training run (loss,
+    #: gradients, weights, data, stopping); ``hookloop plugins`` shows it
+    changes_training = False
     #: set ``autoload = True`` only if the plugin merely observes (a tracker, a
     #: profiler): it then acts as soon as it is installed. A plugin that changes
     #: training must wait to be named.
@@ -137,11 +142,21 @@ def test_records_the_loss_every_n_steps(tiny_loop, hookloop_recorder):
     assert [loss for _, loss in plugin.losses] == seen[1::2]
 
 
-def test_installed_it_acts_only_when_named(tiny_loop):
-    loop = tiny_loop([("{name}", {{"every": 4}})])
-    assert isinstance(loop.plugins.get("{name}"), {cls})
-    assert loop.plugins.get("{name}").every == 4
-    assert "{name}" not in tiny_loop().plugins.names()
+def test_installed_it_acts_only_when_named(monkeypatch, fresh_accelerator):
+    """Installed, the plugin changes nobody's training until it is named: a
+    plain Loop, with the user controls of installed plugins cleared, does not
+    load it (this fails if the plugin sets autoload = True)."""
+    from hookloop.manager import discover
+    from hookloop.testing import tiny_loop
+
+    for variable in ("HOOKLOOP_DISABLE_PLUGIN_AUTOLOAD", "HOOKLOOP_LOAD_PLUGINS",
+                     "HOOKLOOP_BLOCK_PLUGINS"):
+        monkeypatch.delenv(variable, raising=False)
+    assert "{name}" in [item.name for item in discover()], "install it first: pip install ./{distribution}"
+    assert "{name}" not in tiny_loop().plugins.names(), "the plugin loads without being named"
+    named = tiny_loop([("{name}", {{"every": 4}})])
+    assert isinstance(named.plugins.get("{name}"), {cls})
+    assert named.plugins.get("{name}").every == 4
 '''
 
 README = '''\
@@ -202,5 +217,14 @@ def _cmd_new_plugin(args) -> int:
         return 1
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         print(f"wrote {path}")
-    print(f"next: pip install {root} && pytest {root / 'tests'}")
+    print(f"next: pip install {local_path(root)} && pytest {shlex.quote(str(root / 'tests'))}")
     return 0
+
+
+def local_path(path) -> str:
+    """``path`` as pip reads it as a directory, not a name to look up on the
+    package index: ``hookloop-x`` becomes ``./hookloop-x``; quoted for a shell."""
+    text = str(path)
+    if not os.path.isabs(text) and not text.startswith(("./", "../")):
+        text = "./" + text
+    return shlex.quote(text)
