@@ -1614,9 +1614,16 @@ def load(loop, path, *, strict: bool = True, trust_pickles=None) -> Resume:
     """
     acc = loop.accelerator
     path = Path(path)
+    staged = _STAGED.pop(os.path.realpath(path), None)  # what resolve() read already, if anything
+    _STAGED.clear()
     doc = read_manifest(path)
     where = f"checkpoint {str(path)!r}"
     messages = _check_compatible(loop, path, doc, strict)
+    try:
+        type(loop.state)().load_state_dict(doc["loop"])  # on a scratch state: fails before any change
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{where}: the loop position in {STATE_FILE} is not valid: "
+                              f"{type(exc).__name__}: {exc}") from exc
     if doc["loop"].get("step_in_epoch") and getattr(loop.train_data, "use_stateful_dataloader", False):
         raise CheckpointError(
             f"{where} stops in the middle of an epoch, and train_data is a stateful data loader "
@@ -1627,8 +1634,6 @@ def load(loop, path, *, strict: bool = True, trust_pickles=None) -> Resume:
         trust_pickles = {name for plugin in checkpoint_plugins(loop)
                          for name in getattr(plugin, "trust_pickles", ())}
     trusted = set(trust_pickles)
-    staged = _STAGED.pop(os.path.realpath(path), None)
-    _STAGED.clear()
     error, custom = None, []
     try:
         if staged is None or staged.process_index != acc.process_index:
