@@ -113,3 +113,116 @@ def test_the_guide_s_metric_plugin_runs():
          namespace)
     assert 0.0 <= namespace["metrics"]["eval_top2"] <= 1.0
     assert namespace["metrics"]["eval_top2"] >= namespace["metrics"]["eval_accuracy"]
+
+
+# -- "Writing a strategy": built from the kit, in Lightning's order ------------------
+
+
+def _strategy_block():
+    import re
+
+    text = GUIDE_PATH.read_text()
+    body = text.split("\n## Writing a strategy\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", body, flags=re.S)[0]
+
+
+def _lightning_by_hand(setup, epochs):
+    """Lightning's GAN step order, written by hand on Accelerate."""
+    import torch
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+
+    namespace = {}
+    exec(setup, namespace)
+    G, D, ring = namespace["G"], namespace["D"], namespace["ring"]
+    from torch.utils.data import DataLoader, TensorDataset
+
+    accelerator = Accelerator()
+    opt_g = torch.optim.Adam(G.parameters(), lr=1e-3)
+    opt_d = torch.optim.Adam(D.parameters(), lr=1e-3)
+    data = DataLoader(TensorDataset(ring), batch_size=64, shuffle=True)
+    G, D, opt_g, opt_d, data = accelerator.prepare(G, D, opt_g, opt_d, data)
+
+    def bce(logits, target):
+        return F.binary_cross_entropy_with_logits(logits, torch.full_like(logits, target))
+
+    for _ in range(epochs):
+        for (real,) in data:
+            z = torch.randn(real.shape[0], 4, device=real.device)
+            D.requires_grad_(False)
+            accelerator.backward(bce(D(G(z)), 1.0))
+            D.requires_grad_(True)
+            opt_g.step()
+            opt_g.zero_grad()
+            with torch.no_grad():
+                fake = G(z)
+            accelerator.backward((bce(D(real), 1.0) + bce(D(fake), 0.0)) / 2)
+            opt_d.step()
+            opt_d.zero_grad()
+    return [p.detach().clone() for m in (G, D) for p in m.parameters()]
+
+
+def test_the_guide_s_strategy_is_short_uses_the_kit_and_trains_like_lightning_by_hand():
+    import torch
+
+    from hookloop import hookimpl
+    from hookloop.testing import parameters, reset_accelerate
+
+    code = _strategy_block()
+    assert len(code.splitlines()) < 60
+    imports = [line for line in code.splitlines() if line.startswith(("import", "from"))]
+    assert "from hookloop.strategy import" in "\n".join(imports)
+    assert not any("hookloop.strategies" in line or "._" in line for line in imports)
+
+    namespace = {}
+    exec(compile(code, "docs/plugins.md:strategy", "exec"), namespace)
+    loop = namespace["loop"]
+    assert loop.state.global_step == 5 * 8  # 512 points, batches of 64, 5 epochs
+    ours = parameters(loop, "generator") + parameters(loop, "discriminator")
+
+    reset_accelerate()
+    header = code.split("\n\n\nclass ", 1)[0]  # the imports
+    setup = code.split("\ntorch.manual_seed(0)\n", 1)[1].split("\nloop = Loop(", 1)[0]
+    theirs = _lightning_by_hand(f"{header}\ntorch.manual_seed(0)\n{setup}", 5)
+    assert len(ours) == len(theirs)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+    # the order of the updates, and no discriminator gradient from the generator's step
+    class Watch:
+        def __init__(self):
+            self.order, self.leaks = [], 0
+
+        @hookimpl
+        def after_backward(self, loop, network):
+            self.order.append(network.name)
+            if network.name == "generator":
+                self.leaks += sum(p.grad is not None and bool(p.grad.any())
+                                  for p in loop.networks["discriminator"].unwrapped.parameters())
+
+    reset_accelerate()
+    watch = Watch()
+    Loop, Network, LightningGAN = namespace["Loop"], namespace["Network"], namespace["LightningGAN"]
+    G, D = namespace["G"], namespace["D"]
+    loop = Loop(networks={"generator": Network(G, torch.optim.Adam(G.parameters(), lr=1e-3)),
+                          "discriminator": Network(D, torch.optim.Adam(D.parameters(), lr=1e-3))},
+                strategy=LightningGAN(latent_dim=4), plugins=[watch],
+                train_data=torch.utils.data.DataLoader(
+                    torch.utils.data.TensorDataset(torch.randn(128, 2)), batch_size=64))
+    loop.fit(epochs=1)
+    assert watch.order == ["generator", "discriminator"] * 2 and watch.leaks == 0
+
+
+def test_the_guide_s_logging_example_puts_train_loss_in_the_metrics():
+    import re
+
+    from hookloop import hookimpl
+    from hookloop.testing import reset_accelerate, tiny_loop
+
+    text = GUIDE_PATH.read_text()
+    body = text.split("\n## Logging and several instances\n", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", body, flags=re.S)
+    namespace = {"hookimpl": hookimpl}
+    exec(compile(code, "docs/plugins.md:logging", "exec"), namespace)
+    reset_accelerate()
+    metrics = tiny_loop([namespace["TrainLoss"]()], eval_data=True).fit(epochs=1)
+    assert {"train_loss", "eval_loss"} <= set(metrics) and metrics["train_loss"] > 0
