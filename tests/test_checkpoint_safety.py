@@ -601,3 +601,29 @@ def test_a_version_1_checkpoint_still_resumes_and_its_run_rotates_as_before(tmp_
     assert loop.state.global_step == 4 and loop.state.micro_step == 4
     loop.fit(max_steps=8)
     assert tree(tmp_path) == ["latest", "step-00000006", "step-00000008-epoch-end"]  # 0.1 ones rotated
+
+
+@pytest.mark.slow
+def test_a_process_sent_sigterm_during_its_final_save_exits_75(tmp_path):
+    import sys
+    import time
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    import runner
+
+    args = ("--strategy", "supervised", "--accum", "2", "--epochs", "3", "--every-steps", "3")
+    out = tmp_path / "run"
+    out.mkdir()
+    # 3 epochs of 4 updates: the last save is step-12-epoch-end; held before its rename
+    process = runner.plain_python(out, *args, "--pause", "savesignal:publish:12")
+    while not (out / "paused-0").exists():
+        assert process.poll() is None, process.communicate()[0][-3000:]
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=runner.PATIENCE_S)[0]
+    assert process.returncode == PREEMPTED_EXIT_CODE, output[-3000:]  # not -15
+    assert "SIGTERM received" in output
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000012-epoch-end"
+    read_manifest(out / "checkpoints" / "step-00000012-epoch-end")
+    runner.Run(out, *args, name="requeued").finish()  # the requeued job has nothing left to do
+    assert json.loads((out / "run.json").read_text())["started_at"] == 12

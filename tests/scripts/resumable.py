@@ -24,6 +24,9 @@ the script writes OUT/paused-<rank> (its pid, where) and sleeps until killed:
 ``signal:K``
     in batch K, before its backward pass, until a signal arrives (the test
     sends it); then the run goes on;
+``savesignal:STAGE:K``
+    inside the save after update K, at STAGE (as ``save:``), until a signal
+    arrives; then the save and the run go on;
 ``selfterm:K:R``
     rank R sends itself SIGTERM in batch K's ``after_step`` and goes on.
 
@@ -92,16 +95,16 @@ class Pauser:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def pause_in_save(stage, step, out, rank):
+def pause_in_save(stage, step, out, rank, until=None):
     """Wrap the checkpointing function of ``stage`` to hold the save of
-    step ``step`` there."""
+    step ``step`` there (until ``until()``, if given)."""
     target = {"write": "_write_rank_file", "publish": "_publish", "latest": "_point_latest"}[stage]
     original = getattr(checkpointing, target)
 
     def held(*args, **kwargs):
         name = str(args[-1] if stage == "latest" else args[0])
         if f"step-{step:08d}" in name:
-            pause_here(out, rank, f"save {stage} {step}")
+            pause_here(out, rank, f"save {stage} {step}", until=until)
         return original(*args, **kwargs)
 
     setattr(checkpointing, target, held)
@@ -157,11 +160,12 @@ def main(argv=None):
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accum)
     rank = accelerator.process_index
-    if args.pause.startswith("save:"):
-        _, stage, step = args.pause.split(":")
-        pause_in_save(stage, int(step), args.out, rank)
     checkpoint = Checkpoint(dir=args.out / "checkpoints", every_steps=args.every_steps,
                             keep_last=3, signal_check_every=args.signal_check_every)
+    if args.pause.startswith(("save:", "savesignal:")):
+        kind, stage, step = args.pause.split(":")
+        until = (lambda: checkpoint.watcher.received is not None) if kind == "savesignal" else None
+        pause_in_save(stage, int(step), args.out, rank, until=until)
     plugins = [GradClip(max_norm=1.0), checkpoint, Pauser(args.pause, args.out, checkpoint)]
     loop = build(args, accelerator, plugins)
     start = loop.state.global_step
