@@ -1400,11 +1400,11 @@ class Staged:
 
 def stage(path, doc: dict | None = None, process_index: int | None = None) -> Staged:
     """Read every file of checkpoint ``path`` that process ``process_index``
-    needs into memory: each once, its size and CRC-32 checked against the
-    manifest, then deserialised (safetensors, or ``torch.load`` with
-    ``weights_only=True``), its random states tried on scratch generators and
-    its weights and optimizer state checked to be finite. Raises
-    :class:`CheckpointError` naming the file. Changes nothing.
+    needs into memory: each one's size and CRC-32 checked against the
+    manifest (the CRC through a memory map), then deserialised (safetensors,
+    or ``torch.load`` with ``weights_only=True``), its random states tried on
+    scratch generators and its weights and optimizer state checked to be
+    finite. Raises :class:`CheckpointError` naming the file. Changes nothing.
 
     The state of objects given to ``accelerator.register_for_checkpointing``
     (``custom_checkpoint_<i>.pkl``) is deserialised the safe way too; one

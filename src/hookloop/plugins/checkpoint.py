@@ -156,8 +156,9 @@ class Checkpoint:
         try:
             if loop.accelerator.sync_gradients and self._saved_position != loop.state.state_dict():
                 self._save(loop, "fit_end")
+            # every rank takes the same decision (one all-reduce with several processes)
+            self._pending = self.watcher.agreed(loop.accelerator) if self.watcher is not None else None
         finally:
-            self._pending = self.watcher.received if self.watcher is not None else None
             self._uninstall()
             self._fit_ended = True
         # A signal that came in the fit's last steps or during its final save:
