@@ -262,6 +262,7 @@ class Loop:
             self.hook.on_fit_start(loop=self)
             self.start_trackers()  # unless a plugin started them in on_fit_start
             self._start_accumulation()  # after on_fit_start: a plugin may set it there
+            self._in_group, self._evaluated_at = 0, None
             if sanity_check and self.eval_data is not None:
                 self._sanity_check()
             hook = self.hook  # fixed for the run: plugins are set by now
@@ -343,8 +344,6 @@ class Loop:
         acc = self.accelerator
         self._accumulation = acc.gradient_accumulation_steps
         self._accumulating = self._accumulation > 1
-        self._in_group = 0
-        self._evaluated_at = None
         acc.step = 0
         self._fastpath = FastPath(acc)
 
