@@ -12,6 +12,12 @@ from .loss import DefaultLoss
 from .metrics import DefaultMetrics
 from .progress import ProgressBar
 from .sample_grid import SampleGrid
+from .accumulation import GradientAccumulationScheduler
+from .lambda_callback import LambdaCallback
+from .lr_monitor import LearningRateMonitor
+from .model_summary import ModelSummary
+from .throughput import ThroughputMonitor
+from .timer import Timer
 
 BUILTINS = {
     "checkpoint": Checkpoint,
@@ -22,6 +28,14 @@ BUILTINS = {
     "metrics": DefaultMetrics,
     "progress": ProgressBar,
     "samples": SampleGrid,
+    "accumulation-scheduler": GradientAccumulationScheduler,
+    "lambda": LambdaCallback,
+    "lr-monitor": LearningRateMonitor,
+    "model-summary": ModelSummary,
+    "throughput": ThroughputMonitor,
+    "timer": Timer,
 }
 
 __all__ = ["BUILTINS", "Checkpoint", "FiniteCheck", "NonFiniteLoss", "DefaultLoss", "DefaultMetrics", "GradClip", "Logger", "ProgressBar", "SampleGrid"]
+__all__ += ["GradientAccumulationScheduler", "LambdaCallback", "LearningRateMonitor", "ModelSummary",
+            "ThroughputMonitor", "Timer"]
