@@ -106,8 +106,7 @@ TRAINING = {
     ),
     "compute_loss returns a non-tensor": (
         dict(plugins=[LossOf(0.5)]),
-        r"compute_loss returned float for network 'model', not a tensor \(compute_loss plugins, "
-        r"first called first: loss_of, loss\)",
+        r"compute_loss returned float for network 'model' \(plugin 'loss_of'\): float, not a tensor",
     ),
     "loss is NaN": (
         dict(plugins=[LossOf(torch.tensor(float("nan"), requires_grad=True))]),

@@ -577,7 +577,10 @@ def run_settings(loop) -> dict:
     config = getattr(acc, "dataloader_config", None)
     out = {
         "num_processes": acc.num_processes,
-        "gradient_accumulation_steps": acc.gradient_accumulation_steps,
+        # as the Loop was built: a plugin may change it during a run (an
+        # accumulation schedule), and a resume is compared before any fit starts
+        "gradient_accumulation_steps": getattr(loop, "configured_accumulation",
+                                               acc.gradient_accumulation_steps),
         "batches_per_epoch": _length(data) if data is not None else None,
         "batch_size": _batch_size(data),
         "dataset_length": _length(getattr(data, "dataset", None)),

@@ -96,6 +96,9 @@ class Loop:
         self._prepared = weakref.WeakKeyDictionary()  # DataLoader -> prepared, for evaluate/predict
         if prepare:
             self._prepare(frozen)
+        #: ``gradient_accumulation_steps`` as the loop was built (a checkpoint
+        #: records it); a plugin may change it at update boundaries during a fit
+        self.configured_accumulation = self.accelerator.gradient_accumulation_steps
         self._start_accumulation()  # read again when fit() starts
         self._in_group = 0  # batches of the current accumulation group trained so far
         self._evaluated_at = None  # the global_step of the last eval_every evaluation
@@ -372,7 +375,7 @@ class Loop:
         self._epoch_rng = resume.epoch_start
         return resume.batches(self.accelerator, self.train_data, self.state.step_in_epoch)
 
-    def load_checkpoint(self, path="latest", *, strict: bool = True):
+    def load_checkpoint(self, path="latest", *, strict: bool = True, trust_pickles=()):
         """Restore a checkpoint written by :class:`hookloop.plugins.Checkpoint`:
         every network's model, optimizer and scheduler, every process's
         random states, the loop position and each stateful plugin's state;
@@ -388,6 +391,10 @@ class Loop:
             plugin's directory (default ``<project_dir>/checkpoints``), or
             nothing if none was ever saved there; a checkpoint directory; or
             a checkpoint root (its newest).
+        :param trust_pickles: names of ``custom_checkpoint_<i>.pkl`` files
+            (objects given to ``accelerator.register_for_checkpointing``) that
+            may be unpickled; any other pickle is refused (see
+            ``docs/checkpoints.md``).
         :return: the checkpoint directory, or None (``"latest"``, none saved).
         """
         root = self._checkpoint_root()
@@ -395,7 +402,8 @@ class Loop:
         if resolved is None:
             self.print(f"hookloop: no checkpoint in {root} yet: starting from scratch")
             return None
-        self._resume = checkpointing.load(self, resolved, strict=strict)
+        self._resume = checkpointing.load(self, resolved, strict=strict,
+                                          trust_pickles=list(trust_pickles) or None)
         self.resumed_from = resolved
         return resolved
 
