@@ -442,3 +442,60 @@ def test_accumulation_scheduler_refuses_a_second_source_and_bad_schedules(tiny_l
     for bad in ({}, {-1: 2}, {0: 0}, {0: 1.5}):
         with pytest.raises(ValueError, match="GradientAccumulationScheduler"):
             GradientAccumulationScheduler(bad)
+
+
+# -- the guide's section, docs/plugins.md ---------------------------------------------------------
+
+
+def guide_blocks():
+    text = GUIDE.read_text()
+    section = text.split("\n## Lightning callbacks in hookloop\n", 1)[1].split("\n## ", 1)[0]
+    return section, re.findall(r"```python\n(.*?)```", section, flags=re.S)
+
+
+def test_the_guide_s_table_names_every_lightning_callback_and_every_new_built_in():
+    section, _ = guide_blocks()
+    for callback in ("ModelCheckpoint", "EarlyStopping", "LearningRateMonitor", "Timer", "ModelSummary",
+                     "RichModelSummary", "ThroughputMonitor", "StochasticWeightAveraging",
+                     "GradientAccumulationScheduler", "LambdaCallback", "BackboneFinetuning",
+                     "BatchSizeFinder", "DeviceStatsMonitor", "ModelPruning", "RichProgressBar",
+                     "TQDMProgressBar", "BasePredictionWriter", "OnExceptionCheckpoint", "SpikeDetection"):
+        assert re.search(rf"^\| `{callback}[(`]", section, flags=re.M) or f", `{callback}`" in section, callback
+    # the early-stopping distribution is named by its entry point
+    toml = (ROOT / "plugins" / "hookloop-early-stopping" / "pyproject.toml").read_text()
+    entry = re.search(r"\[project.entry-points.hookloop\]\n(\S+) =", toml).group(1)
+    assert f'("{entry}", {{"monitor"' in section
+    readme = (ROOT / "README.md").read_text().split("### Built-in plugins", 1)[1].split("\n## ", 1)[0]
+    for name, cls in BUILTINS.items():
+        if cls in (GradientAccumulationScheduler, LambdaCallback, LearningRateMonitor, ModelSummary,
+                   ThroughputMonitor, Timer):
+            assert f"| `{name}` | `hookloop.plugins.{cls.__name__}" in readme, name
+
+
+def test_the_guide_s_device_stats_monitor_logs_memory(tiny_loop, tmp_path):
+    _, blocks = guide_blocks()
+    namespace = {}
+    exec(compile(blocks[0], "docs/plugins.md:device-stats", "exec"), namespace)
+    tiny_loop([namespace["DeviceStatsMonitor"](every=2)], accelerator=jsonl(tmp_path)).fit(max_steps=5)
+    got = logged(tmp_path, "device_stats/max_rss_mib")
+    assert [s for s, _ in got] == [2, 4] and all(v > 10 for _, v in got)
+
+
+def test_the_guide_s_prediction_writer_writes_every_batch(tmp_path, monkeypatch):
+    _, blocks = guide_blocks()
+    monkeypatch.chdir(tmp_path)
+    set_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x = torch.randn(20, 4)
+    namespace = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+                 "train": DataLoader(TensorDataset(x, torch.zeros(20, dtype=torch.long)), batch_size=8),
+                 "test_data": DataLoader(TensorDataset(x), batch_size=8)}
+    exec(compile(blocks[1], "docs/plugins.md:prediction-writer", "exec"), namespace)
+    files = sorted((tmp_path / "predictions").iterdir())
+    assert [f.name for f in files] == ["rank0-00000.pt", "rank0-00001.pt", "rank0-00002.pt"]
+    written = torch.cat([torch.load(f) for f in files])
+    assert torch.equal(written, torch.load(tmp_path / "predictions.pt"))
+    assert torch.allclose(written, model(x))
+    # evaluation is left alone: nothing written
+    namespace["loop"].evaluate(DataLoader(TensorDataset(x, torch.zeros(20, dtype=torch.long)), batch_size=8))
+    assert len(list((tmp_path / "predictions").iterdir())) == 3

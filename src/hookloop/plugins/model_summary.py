@@ -14,12 +14,13 @@ class ModelSummary:
     network's children; ``-1``: every module; ``0``: no table, nothing
     printed), then the totals::
 
-          | Name | Type       | Params | Trainable | Mode
-        -----------------------------------------------------
-        0 | 0    | Linear     | 144    | 144       | train
-        1 | 1    | ReLU       | 0      | 0         | train
-        2 | 3    | Linear     | 51     | 51        | train
-        -----------------------------------------------------
+          | Name | Type    | Params | Trainable | Mode
+        -----------------------------------------------
+        0 | 0    | Linear  | 144    | 144       | train
+        1 | 1    | ReLU    | 0      | 0         | train
+        2 | 2    | Dropout | 0      | 0         | train
+        3 | 3    | Linear  | 51     | 51        | train
+        -----------------------------------------------
         195       Trainable params
         0         Non-trainable params
         195       Total params
