@@ -64,6 +64,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import math
 import os
 import random
 import re
@@ -126,8 +127,53 @@ class NonFiniteCheckpoint(CheckpointError):
 
 
 def default_directory(accelerator) -> Path:
-    """``<accelerator.project_dir>/checkpoints``, or ``./checkpoints``."""
+    """``<accelerator.project_dir>/checkpoints``, or ``./checkpoints``: where
+    the default run folders (``version_<N>``) go."""
     return Path(accelerator.project_dir or os.getcwd()) / "checkpoints"
+
+
+_RUN = re.compile(r"^version_(\d+)$")
+
+
+def run_folders(base) -> list[Path]:
+    """The ``version_<N>`` run folders in ``base``, by N."""
+    base = Path(base)
+    if not base.is_dir():
+        return []
+    found = [p for p in base.iterdir() if _RUN.match(p.name) and p.is_dir()]
+    return sorted(found, key=lambda p: int(_RUN.match(p.name).group(1)))
+
+
+def is_run_dir(base, path) -> bool:
+    """Whether ``path`` is a run folder of ``base`` (``version_<N>``), or
+    ``base`` itself holding checkpoints directly (hookloop 0.1's layout)."""
+    path, base = Path(path), Path(base)
+    try:
+        same_base = os.path.realpath(path.parent) == os.path.realpath(base)
+        is_base = os.path.realpath(path) == os.path.realpath(base)
+    except OSError:
+        return False
+    return (same_base and bool(_RUN.match(path.name))) or is_base
+
+
+def newest_run(base) -> Path | None:
+    """The run folder ``resume_from="latest"`` continues: the highest
+    ``version_<N>`` holding a checkpoint, else ``base`` itself if it holds
+    checkpoints directly (0.1's layout), else None."""
+    for folder in reversed(run_folders(base)):
+        if read_latest(folder) is not None or list_checkpoints(folder):
+            return folder
+    base = Path(base)
+    if base.is_dir() and ((base / LATEST).exists() or list_checkpoints(base)):
+        return base
+    return None
+
+
+def next_run_name(base) -> str:
+    """``version_<N>``: one more than the highest existing (0 for the first)."""
+    folders = run_folders(base)
+    n = int(_RUN.match(folders[-1].name).group(1)) + 1 if folders else 0
+    return f"version_{n}"
 
 
 def checkpoint_name(global_step: int, epoch_end: bool = False) -> str:
@@ -265,6 +311,29 @@ def checkpoint_plugins(loop) -> list:
     return found[::-1]  # pluggy calls the last registered first; user plugins are registered reversed
 
 
+def best_checkpoints(loop, root, key: str, mode: str, k: int | None = None,
+                     extra: tuple | None = None, mine: bool = True) -> list[tuple[float, Path]]:
+    """The checkpoints in ``root`` whose manifest records a value of metric
+    ``key`` (``save(monitor=...)``), best first (``mode`` ``"min"`` or
+    ``"max"``; the newer first among equal values), at most ``k``; only
+    this run's (:func:`owns`) unless ``mine`` is False. ``extra``: a
+    ``(value, path)`` not written yet, ranked with them."""
+    found = []
+    for path in list_checkpoints(root):
+        doc = _peek(path) or {}
+        mon = doc.get("monitor") or {}
+        value = mon.get("value")
+        if (mon.get("key") == key and isinstance(value, (int, float)) and math.isfinite(value)
+                and (not mine or owns(loop, root, path))):
+            found.append((float(mon["value"]), path))
+    if extra is not None:
+        found = [f for f in found if f[1].name != extra[1].name] + [extra]
+    order = {p.name: i for i, p in enumerate(sorted((p for _, p in found), key=_sort_key))}
+    sign = 1.0 if mode == "min" else -1.0
+    found.sort(key=lambda vp: (sign * vp[0], -order[vp[1].name]))
+    return found[:k] if k is not None else found
+
+
 def checkpoint_root(loop) -> Path:
     """Where ``resume_from="latest"`` looks: the directory of the first
     ``Checkpoint`` plugin (by type), else :func:`default_directory`."""
@@ -274,7 +343,8 @@ def checkpoint_root(loop) -> Path:
     legacy = loop.plugins.get("checkpoint")  # a plugin of another class named "checkpoint"
     if legacy is not None and callable(getattr(legacy, "directory", None)):
         return legacy.directory(loop)
-    return default_directory(loop.accelerator)
+    base = default_directory(loop.accelerator)
+    return newest_run(base) or base
 
 
 # ---------------------------------------------------------------------------
@@ -1095,7 +1165,8 @@ def _refuse_nonfinite(loop, root: Path, name: str, step: int):
 
 
 def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None = None,
-         update_latest: bool = True, keep_last: int | None = None) -> Path:
+         update_latest: bool = True, keep_last: int | None = None, monitor: dict | None = None,
+         keep=()) -> Path:
     """Write a checkpoint of ``loop`` into ``root`` atomically; every process
     must call this (each writes its random states). Returns its directory.
 
@@ -1108,6 +1179,10 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
     :param keep_last: afterwards, delete all but the newest ``keep_last``
         regular checkpoints of this run (:func:`owns`; never the one
         ``latest`` names, never the newest finite one, never another run's).
+    :param monitor: recorded in the manifest (``monitor``): the value of a
+        metric this checkpoint was evaluated at, ``{"key", "value", "mode"}``;
+        :func:`best_checkpoints` ranks checkpoints by it.
+    :param keep: names rotation never deletes (the best ``save_top_k``).
 
     Refused before anything is written, on every process: a non-finite
     parameter or optimizer state (:class:`NonFiniteCheckpoint`, naming the
@@ -1161,11 +1236,11 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
 
         if main:
             try:
-                _finish(loop, tmp, final, position, networks, plugins, tensors, reason)
+                _finish(loop, tmp, final, position, networks, plugins, tensors, reason, monitor)
                 if update_latest:
                     _point_latest(root, name)
                 if keep_last:
-                    _rotate(loop, root, keep_last)
+                    _rotate(loop, root, keep_last, keep)
             except Exception as exc:  # noqa: BLE001
                 error = _write_error(exc, root, f"cannot finish checkpoint {final}")
         _all_ok(acc, error)
@@ -1176,7 +1251,8 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
     return final
 
 
-def _finish(loop, tmp: Path, final: Path, position, networks, plugins, tensors, reason) -> None:
+def _finish(loop, tmp: Path, final: Path, position, networks, plugins, tensors, reason,
+            monitor=None) -> None:
     """Main process: hookloop's files, fsync, rename into place."""
     from safetensors.torch import save_file
 
@@ -1217,6 +1293,8 @@ def _finish(loop, tmp: Path, final: Path, position, networks, plugins, tensors, 
         "classes": classes,
         "checks": {"finite": True},  # save() refused non-finite state before writing
     }
+    if monitor is not None:
+        doc["monitor"] = monitor
     doc[_SELF_CRC] = _manifest_crc(doc)
     with open(tmp / STATE_FILE, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)
@@ -1249,11 +1327,12 @@ def _point_latest(root: Path, name: str) -> None:
     _fsync_dir(root)
 
 
-def _rotate(loop, root: Path, keep_last: int) -> None:
+def _rotate(loop, root: Path, keep_last: int, protected=()) -> None:
     """Delete this run's oldest checkpoints beyond ``keep_last`` (another
     run's, or ones without a run id, are never deleted); never the one
-    ``latest`` names, never the newest one known to be finite."""
-    keep = {read_latest(root)}
+    ``latest`` names, never the newest one known to be finite, never one
+    ``protected`` names (the best ``save_top_k``)."""
+    keep = {read_latest(root), *protected}
     mine = [p for p in list_checkpoints(root) if owns(loop, root, p)]
     finite = [p for p in mine if ((_peek(p) or {}).get("checks") or {}).get("finite")]
     if finite:
@@ -1883,6 +1962,7 @@ __all__ = [
     "read_latest",
     "read_manifest",
     "resolve",
+    "best_checkpoints",
     "run_identity",
     "run_settings",
     "save",

@@ -388,9 +388,11 @@ class Loop:
         (``strict=False``: plugin mismatches only warn, naming the plugins).
 
         :param path: ``"latest"``: the newest checkpoint in the checkpoint
-            plugin's directory (default ``<project_dir>/checkpoints``), or
-            nothing if none was ever saved there; a checkpoint directory; or
-            a checkpoint root (its newest).
+            plugin's directory (by default the newest run folder,
+            ``<project_dir>/checkpoints/version_<N>``), or nothing if none was
+            ever saved there; ``"best"``: the best by the ``monitor`` of a
+            ``Checkpoint(monitor=...)`` plugin; a checkpoint directory; or a
+            checkpoint root (its newest).
         :param trust_pickles: names of ``custom_checkpoint_<i>.pkl`` files
             (objects given to ``accelerator.register_for_checkpointing``) that
             may be unpickled; any other pickle is refused (see
@@ -398,6 +400,8 @@ class Loop:
         :return: the checkpoint directory, or None (``"latest"``, none saved).
         """
         root = self._checkpoint_root()
+        if path == "best":
+            path = self._best_checkpoint(root)
         resolved = checkpointing.resolve(path, root)
         if resolved is None:
             self.print(f"hookloop: no checkpoint in {root} yet: starting from scratch")
@@ -406,6 +410,22 @@ class Loop:
                                           trust_pickles=list(trust_pickles) or None)
         self.resumed_from = resolved
         return resolved
+
+    def _best_checkpoint(self, root):
+        plugin = next((p for p in checkpointing.checkpoint_plugins(self) if getattr(p, "monitor", None)),
+                      None)
+        if plugin is None:
+            raise checkpointing.CheckpointError(
+                "load_checkpoint('best') needs a Checkpoint(monitor=...) plugin: it ranks the "
+                "checkpoints by the metric they were saved with"
+            )
+        found = plugin.best_checkpoint(self, mine=False)
+        if found is None:
+            raise checkpointing.CheckpointError(
+                f"load_checkpoint('best'): no checkpoint in {plugin.directory(self)} "
+                f"records {plugin.monitor!r} yet"
+            )
+        return found[1]
 
     def _checkpoint_root(self):
         # the first Checkpoint plugin found by type, whatever its name (issue 11)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -9,6 +10,9 @@ from pathlib import Path
 from .. import checkpointing
 from ..markers import hookimpl
 from ..preemption import DEFAULT_SIGNALS, Preempted, SignalWatcher, signal_name
+
+
+_DEFAULT = object()  # keep_last not given: 3, or 1 with monitor
 
 
 class Checkpoint:
@@ -22,11 +26,27 @@ class Checkpoint:
         the accumulation group: partial gradients are not saved.
     :param every_epoch: save at the end of every epoch, after its evaluation
         and the other plugins' ``on_epoch_end`` (this hook is ``trylast``).
-    :param keep_last: how many of this run's checkpoints to keep (None: all);
-        another run's are never deleted, nor the newest finite one.
-    :param dir: the checkpoint root; default
-        ``<accelerator.project_dir>/checkpoints`` (``./checkpoints`` without a
-        project directory).
+    :param keep_last: how many of this run's newest checkpoints to keep
+        (None: all; default 3, or 1 with ``monitor``); another run's are never
+        deleted, nor the newest finite one, nor the ``save_top_k`` best.
+    :param dir: the checkpoint root. Default: a run folder of its own,
+        ``<accelerator.project_dir or .>/checkpoints/version_<N>``: a run
+        from scratch takes the next N (running a script twice gives
+        ``version_0`` and ``version_1``, as Lightning's ``version_N``), a
+        resumed run continues in its checkpoint's folder, and
+        ``resume_from="latest"`` finds the newest folder's latest checkpoint.
+        A ``dir`` given explicitly is the root itself; a run from scratch
+        there is refused if another run's checkpoints are in it.
+    :param monitor: keep the best checkpoints by this metric (a key of the
+        metrics of an evaluation: the epoch-end one, or every ``eval_every``
+        updates; ``train_loss`` logged with ``loop.log(on_epoch=True)``
+        works too). Every evaluation that yields it saves a checkpoint
+        recording the value; rotation keeps the ``save_top_k`` best and the
+        ``keep_last`` newest (for resuming). :attr:`best` and
+        ``loop.load_checkpoint("best")`` find the best one, also after a
+        resume (the values are in the checkpoints' manifests).
+    :param mode: ``"min"`` (a loss) or ``"max"`` (an accuracy).
+    :param save_top_k: how many best checkpoints to keep (with ``monitor``).
     :param on_exception: also save an emergency checkpoint
         (``emergency-step-N``) when training raises. It may be taken in the
         middle of a step, so ``latest`` never names it and it is not rotated;
@@ -62,10 +82,17 @@ class Checkpoint:
 
     name = "checkpoint"
 
-    def __init__(self, every_steps=None, every_epoch=True, keep_last=3, dir=None,
+    def __init__(self, every_steps=None, every_epoch=True, keep_last=_DEFAULT, dir=None,
                  on_exception=False, signals=DEFAULT_SIGNALS, signal_check_every=10,
-                 trust_pickles=()):
-        for label, value in (("every_steps", every_steps), ("keep_last", keep_last)):
+                 trust_pickles=(), monitor=None, mode="min", save_top_k=1):
+        if keep_last is _DEFAULT:
+            keep_last = 1 if monitor is not None else 3
+        if monitor is not None and not (isinstance(monitor, str) and monitor):
+            raise ValueError(f"Checkpoint: monitor must be a metric name, got {monitor!r}")
+        if mode not in ("min", "max"):
+            raise ValueError(f"Checkpoint: mode must be 'min' or 'max', got {mode!r}")
+        for label, value in (("every_steps", every_steps), ("keep_last", keep_last),
+                             ("save_top_k", save_top_k)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"Checkpoint: {label} must be a positive int or None, got {value!r}")
         if not isinstance(signal_check_every, int) or signal_check_every < 1:
@@ -83,6 +110,15 @@ class Checkpoint:
         #: ``custom_checkpoint_<i>.pkl`` files that resuming may unpickle (see
         #: :func:`hookloop.checkpointing.load`); by name only
         self.trust_pickles = tuple(trust_pickles)
+        self.monitor = monitor
+        self.mode = mode
+        self.save_top_k = save_top_k
+        #: ``{"path": Path, "value": float}`` of the best checkpoint by
+        #: ``monitor`` (None before one is saved), read from the manifests at
+        #: every fit start and updated at every save
+        self.best: dict | None = None
+        self._epoch_ending = False  # between on_train_epoch_end and on_epoch_end
+        self._run_dir = None  # the run folder chosen at the first fit (default dir)
         #: the directory of the last checkpoint this plugin wrote
         self.last_saved: Path | None = None
         self._due = False
@@ -94,13 +130,46 @@ class Checkpoint:
         self._ready = False  # on_fit_start checked the directory
 
     def directory(self, loop) -> Path:
-        """The checkpoint root for ``loop``."""
-        return self.dir if self.dir is not None else checkpointing.default_directory(loop.accelerator)
+        """The checkpoint root for ``loop``: ``dir``, else this run's folder;
+        before the first fit, the newest run folder (what ``"latest"``
+        resumes)."""
+        if self.dir is not None:
+            return self.dir
+        if self._run_dir is not None:
+            return self._run_dir
+        base = checkpointing.default_directory(loop.accelerator)
+        return checkpointing.newest_run(base) or base / "version_0"
+
+    def best_checkpoint(self, loop, mine: bool = True):
+        """``(value, path)`` of the best checkpoint by ``monitor`` in
+        :meth:`directory` (this run's, unless ``mine`` is False), or None."""
+        if self.monitor is None:
+            return None
+        found = checkpointing.best_checkpoints(loop, self.directory(loop), self.monitor, self.mode, 1,
+                                               mine=mine)
+        return found[0] if found else None
+
+    def _choose_run_dir(self, loop):
+        """Default directory: the resumed checkpoint's run folder, else a new
+        ``version_<N>`` (decided by the main process for every process)."""
+        base = checkpointing.default_directory(loop.accelerator)
+        resumed = loop.resumed_from
+        if resumed is not None and checkpointing.is_run_dir(base, resumed.parent):
+            self._run_dir = resumed.parent
+            return
+        name = checkpointing.next_run_name(base) if loop.accelerator.is_main_process else None
+        if loop.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            name = broadcast_object_list([name])[0]
+        self._run_dir = base / name
 
     # -- hooks -----------------------------------------------------------------
 
     @hookimpl
     def on_fit_start(self, loop):
+        if self.dir is None and self._run_dir is None:
+            self._choose_run_dir(loop)
         root = self.directory(loop)
         error = None
         if loop.accelerator.is_main_process:
@@ -119,6 +188,8 @@ class Checkpoint:
             self._saved_position = loop.state.state_dict()  # where the resumed checkpoint is
         if self.watcher is not None:
             self.watcher.install()
+        self._epoch_ending = False
+        self._update_best(loop)
         self._ready = True
 
     @hookimpl(trylast=True)
@@ -138,16 +209,43 @@ class Checkpoint:
         if self._due and not (self.every_epoch and acc.gradient_state.end_of_dataloader):
             self._save(loop, "every_steps")  # (at the epoch's last batch on_epoch_end saves)
 
+    @hookimpl
+    def on_train_epoch_end(self):
+        self._epoch_ending = True  # the evaluation that follows is the epoch's
+
+    @hookimpl(trylast=True)  # after the plugins that add metrics
+    def on_eval_end(self, loop, metrics):
+        if self.monitor is None or not self._ready or loop.state.stage != "eval" or self._epoch_ending:
+            return  # (the epoch's evaluation: its metrics reach on_epoch_end, which saves)
+        if self.monitor not in metrics:
+            raise KeyError(
+                f"Checkpoint monitors {self.monitor!r}, but the evaluation's metrics are "
+                f"{sorted(metrics) or 'empty'}; pass monitor=... with one of them (a training "
+                "value: log it with loop.log(..., on_epoch=True))"
+            )
+        # an eval_every evaluation, at an update boundary in the epoch
+        self._save(loop, "monitor", monitor=float(metrics[self.monitor]))
+
     @hookimpl(trylast=True)
-    def on_epoch_end(self, loop):
+    def on_epoch_end(self, loop, metrics):
+        self._epoch_ending = False
+        candidate = None
+        if self.monitor is not None:
+            if self.monitor not in metrics:
+                raise KeyError(
+                    f"Checkpoint monitors {self.monitor!r}, but the epoch's metrics are "
+                    f"{sorted(metrics) or 'empty (is eval_data set?)'}; pass monitor=... with one "
+                    "of them (a training value: log it with loop.log(..., on_epoch=True))"
+                )
+            candidate = float(metrics[self.monitor])
         if self.watcher is not None and self._stop is None:
             self._stop = self.watcher.agreed(loop.accelerator)  # e.g. during the evaluation
-        if self.every_epoch or self._due or self._stop is not None:
+        if self.every_epoch or self._due or self._stop is not None or candidate is not None:
             # an epoch ended early by a stop is saved at its mid-epoch position:
             # the next fit continues it
             complete = loop.state.epoch_complete
             reason = "preempted" if self._stop is not None else "epoch_end" if complete else "fit_end"
-            path = self._save(loop, reason, epoch_end=complete)
+            path = self._save(loop, reason, epoch_end=complete, monitor=candidate)
             if self._stop is not None:
                 self._preempted(loop, path)
 
@@ -183,21 +281,37 @@ class Checkpoint:
 
     # -- work --------------------------------------------------------------------
 
-    def _save(self, loop, reason, epoch_end=False) -> Path:
+    def _save(self, loop, reason, epoch_end=False, monitor=None) -> Path:
         position = loop.state.state_dict()
         if epoch_end:
             position.update(epoch=position["epoch"] + 1, step_in_epoch=0)
-        if position == self._saved_position:
-            return self.last_saved
+        if position == self._saved_position and monitor is None:
+            return self.last_saved  # (saved here already; again only to record a monitored value)
         finite = loop.plugins.get("finite")
         if finite is not None and callable(getattr(finite, "check", None)):
             finite.check(loop)  # never publish a checkpoint of a run whose loss went NaN
+        root = self.directory(loop)
+        record, keep = None, ()
+        if self.monitor is not None:
+            name = checkpointing.checkpoint_name(position["global_step"], epoch_end)
+            if monitor is not None:
+                record = {"key": self.monitor, "value": monitor, "mode": self.mode}
+            extra = (monitor, root / name) if monitor is not None and math.isfinite(monitor) else None
+            keep = {p.name for _, p in checkpointing.best_checkpoints(
+                loop, root, self.monitor, self.mode, self.save_top_k, extra)}
         self.last_saved = checkpointing.save(
-            loop, self.directory(loop), reason=reason, epoch_end=epoch_end, keep_last=self.keep_last
+            loop, root, reason=reason, epoch_end=epoch_end, keep_last=self.keep_last,
+            monitor=record, keep=keep,
         )
         self._saved_position = position
         self._due = False
+        if record is not None:
+            self._update_best(loop)
         return self.last_saved
+
+    def _update_best(self, loop):
+        found = self.best_checkpoint(loop)
+        self.best = None if found is None else {"path": found[1], "value": found[0]}
 
     def _preempted(self, loop, path):
         """Saved for the stop: the last Checkpoint plugin (in call order) to
