@@ -18,6 +18,7 @@ from .lr_monitor import LearningRateMonitor
 from .model_summary import ModelSummary
 from .throughput import ThroughputMonitor
 from .timer import Timer
+from ..adapters.transformers import TrainerCallbacks  # imports transformers only when created
 
 BUILTINS = {
     "checkpoint": Checkpoint,
@@ -34,6 +35,7 @@ BUILTINS = {
     "model-summary": ModelSummary,
     "throughput": ThroughputMonitor,
     "timer": Timer,
+    "trainer-callbacks": TrainerCallbacks,
 }
 
 __all__ = ["BUILTINS", "Checkpoint", "FiniteCheck", "NonFiniteLoss", "DefaultLoss", "DefaultMetrics", "GradClip", "Logger", "ProgressBar", "SampleGrid"]
