@@ -22,7 +22,7 @@ from hookloop.plugins import (
     BUILTINS, Checkpoint, GradientAccumulationScheduler, LambdaCallback, LearningRateMonitor,
     ModelSummary, ThroughputMonitor, Timer,
 )
-from hookloop.testing import parameters, tiny_gan_loop
+from hookloop.testing import parameters, registered, tiny_gan_loop
 from hookloop.trackers import JSONLinesTracker
 
 ROOT = Path(__file__).parent.parent
@@ -499,3 +499,24 @@ def test_the_guide_s_prediction_writer_writes_every_batch(tmp_path, monkeypatch)
     # evaluation is left alone: nothing written
     namespace["loop"].evaluate(DataLoader(TensorDataset(x, torch.zeros(20, dtype=torch.long)), batch_size=8))
     assert len(list((tmp_path / "predictions").iterdir())) == 3
+
+
+def test_a_run_resumed_in_a_scheduled_epoch_ends_as_the_uninterrupted_one(tiny_loop, tmp_path):
+    from hookloop.testing import reset_accelerate
+
+    def run(**kwargs):
+        return tiny_loop([GradientAccumulationScheduler({1: 2, 2: 4}),
+                          Checkpoint(dir=tmp_path, every_steps=2, every_epoch=False, signals=None)], **kwargs)
+
+    whole = tiny_loop([GradientAccumulationScheduler({1: 2, 2: 4})])
+    whole.fit(epochs=3)
+    reset_accelerate()
+    run().fit(max_steps=10)  # 8 updates in epoch 0, then 2 of 4 (2 batches each) in epoch 1
+    reset_accelerate()
+    updates = UpdatesAt()
+    resumed = run(resume_from="latest")
+    with registered(resumed, updates):
+        resumed.fit(epochs=3)
+    assert updates.at == [(1, 6), (1, 8), (2, 4), (2, 8)]
+    assert resumed.state.global_step == whole.state.global_step == 8 + 4 + 2
+    assert all(torch.equal(a, b) for a, b in zip(parameters(whole), parameters(resumed)))

@@ -21,10 +21,9 @@ class GradientAccumulationScheduler:
     An ``Accelerator(gradient_accumulation_steps=...)`` of its own is
     refused (give the value as ``{0: k}``).
 
-    Resuming: checkpoints record the accumulation in force when they were
-    written, and a resume compares it with the accelerator's. Build the
-    resuming run's accelerator with the value of the epoch it resumes in, or
-    resume with ``load_checkpoint(..., strict=False)``.
+    A resumed run (the same script, ``resume_from="latest"``) continues the
+    schedule where it was, exactly: checkpoints record the accumulation the
+    ``Loop`` was built with, not the scheduled one.
 
     :param scheduling: ``{epoch: batches per update}``; epochs >= 0,
         values >= 1.

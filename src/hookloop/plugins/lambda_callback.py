@@ -70,8 +70,10 @@ class LambdaCallback:
     (:data:`LIGHTNING_HOOKS`: ``on_train_batch_end`` is ``after_step``,
     ``on_validation_epoch_end`` is ``on_eval_end`` ...), but the function
     still receives hookloop's arguments (``loop``, ``batch`` ...), not
-    ``trainer, pl_module``. Several names of one hook run in the order
-    given. A name that is no hook, a Lightning name without a hookloop
+    ``trainer, pl_module``. Names both libraries use keep hookloop's
+    meaning: ``on_train_epoch_end`` runs before the epoch's evaluation
+    (Lightning's after it: give ``on_epoch_end`` for that). Several names of
+    one hook run in the order given. A name that is no hook, a Lightning name without a hookloop
     counterpart, or an argument the hook does not have is an error when the
     plugin is made, listing the valid choices.
 
