@@ -44,8 +44,8 @@ def logged(tmp_path, key):
 
 
 class Clock:
-    """A fake clock that a test advances: patched over ``time.monotonic`` /
-    ``time.perf_counter`` of one plugin module."""
+    """A fake clock that a test advances, in place of one plugin module's
+    ``time.monotonic`` / ``time.perf_counter``."""
 
     def __init__(self):
         self.now = 1000.0
@@ -54,9 +54,9 @@ class Clock:
         return self.now
 
 
-def clocked(monkeypatch, module, attr):
+def clocked(monkeypatch, module):
     clock = Clock()
-    monkeypatch.setattr(f"hookloop.plugins.{module}.time.{attr}", clock)
+    monkeypatch.setattr(f"hookloop.plugins.{module}._now", clock)
     return clock
 
 
@@ -158,7 +158,7 @@ def test_lr_monitor_without_a_tracker_warns_and_keeps_the_rates(tiny_loop):
 
 
 def test_timer_stops_at_the_first_update_past_the_duration(tiny_loop, monkeypatch):
-    clock = clocked(monkeypatch, "timer", "monotonic")
+    clock = clocked(monkeypatch, "timer")
     timer = Timer(duration="00:00:00:05", verbose=True)
     loop = tiny_loop([every_batch(clock, 1.0), timer], eval_data=True)
     metrics = loop.fit(epochs=10)
@@ -170,7 +170,7 @@ def test_timer_stops_at_the_first_update_past_the_duration(tiny_loop, monkeypatc
 
 
 def test_timer_with_interval_epoch_lets_the_epoch_finish(tiny_loop, monkeypatch):
-    clock = clocked(monkeypatch, "timer", "monotonic")
+    clock = clocked(monkeypatch, "timer")
     timer = Timer(duration=timedelta_seconds(5), interval="epoch")
     loop = tiny_loop([every_batch(clock, 1.0), timer])  # 8 updates an epoch
     loop.fit(epochs=10)
@@ -185,7 +185,7 @@ def timedelta_seconds(s):
 
 
 def test_timer_elapsed_time_survives_a_resume_and_counts_on(tiny_loop, tmp_path, monkeypatch):
-    clock = clocked(monkeypatch, "timer", "monotonic")
+    clock = clocked(monkeypatch, "timer")
     checkpoint = Checkpoint(dir=tmp_path, every_steps=3, every_epoch=False, signals=None)
     timer = Timer(duration={"seconds": 7})
     tiny_loop([every_batch(clock, 1.0), timer, checkpoint]).fit(max_steps=3)
@@ -204,7 +204,7 @@ def test_timer_elapsed_time_survives_a_resume_and_counts_on(tiny_loop, tmp_path,
 
 
 def test_a_timer_already_used_up_stops_before_the_first_step(tiny_loop, monkeypatch):
-    clocked(monkeypatch, "timer", "monotonic")
+    clocked(monkeypatch, "timer")
     timer = Timer(duration={"seconds": 10})
     timer.load_state_dict({"time_elapsed": {"train": 11.0, "eval": 0.0}})
     loop = tiny_loop([timer])
@@ -212,7 +212,7 @@ def test_a_timer_already_used_up_stops_before_the_first_step(tiny_loop, monkeypa
 
 
 def test_timer_counts_the_fits_of_a_run_together_and_evaluations_apart(tiny_loop, monkeypatch):
-    clock = clocked(monkeypatch, "timer", "monotonic")
+    clock = clocked(monkeypatch, "timer")
 
     class SlowEval:
         @hookimpl
@@ -256,7 +256,7 @@ def test_timer_stops_every_process_at_the_same_update_when_their_clocks_differ(t
 
 
 def test_throughput_logs_samples_and_batches_per_second_over_its_window(tiny_loop, tmp_path, monkeypatch):
-    clock = clocked(monkeypatch, "throughput", "perf_counter")
+    clock = clocked(monkeypatch, "throughput")
     monitor = ThroughputMonitor(every=2, window=4)
     # 8 batches of 8 examples an epoch; each batch takes 0.5 s, then 0.25 s from update 4 on
     speed = LambdaCallback(name="speed", after_step=lambda loop: setattr(
@@ -271,7 +271,7 @@ def test_throughput_logs_samples_and_batches_per_second_over_its_window(tiny_loo
 
 
 def test_throughput_leaves_out_evaluations_and_counts_items_and_flops(tiny_loop, tmp_path, monkeypatch):
-    clock = clocked(monkeypatch, "throughput", "perf_counter")
+    clock = clocked(monkeypatch, "throughput")
 
     class SlowEval:
         @hookimpl

@@ -29,7 +29,7 @@ class Clock:
 
 
 clock = Clock()
-timer_module.time.monotonic = clock  # this process's own clock  # noqa: the module's time is patched
+timer_module._now = clock  # this process's own clock
 step = 1.0 if rank == 0 else 3.0
 tick = LambdaCallback(name="tick", after_step=lambda: setattr(clock, "now", clock.now + step))
 

@@ -11,6 +11,9 @@ import torch
 
 from ..markers import hookimpl
 
+#: the clock (a test may replace it)
+_now = time.perf_counter
+
 
 class ThroughputMonitor:
     """Every ``every`` optimizer updates, log the training throughput with
@@ -144,18 +147,18 @@ class ThroughputMonitor:
 
     def _start_clock(self):
         if self._since is None:
-            self._since = time.perf_counter()
+            self._since = _now()
 
     def _stop_clock(self):
         if self._since is not None:
             self._sync()
-            self._time += time.perf_counter() - self._since
+            self._time += _now() - self._since
             self._since = None
 
     def _clock(self) -> float:
         if self._since is None:
             return self._time
-        return self._time + time.perf_counter() - self._since
+        return self._time + _now() - self._since
 
     def _sync(self):
         if self.synchronize and self._device.type != "cpu":

@@ -8,6 +8,9 @@ from datetime import timedelta
 
 from ..markers import hookimpl
 
+#: the clock (a test may replace it)
+_now = time.monotonic
+
 #: the stages whose time is kept
 STAGES = ("train", "eval")
 
@@ -86,7 +89,7 @@ class Timer:
         start, offset = self._start[stage], self._offset[stage]
         if start is None or self._end[stage] is not None:
             return offset
-        return offset + time.monotonic() - start
+        return offset + _now() - start
 
     def time_remaining(self, stage: str = "train") -> float | None:
         """Seconds left before the limit (never below 0), or None without one."""
@@ -151,13 +154,13 @@ class Timer:
     def _begin(self, stage):
         if self._start[stage] is not None and self._end[stage] is None:
             return  # running already
-        self._start[stage], self._end[stage] = time.monotonic(), None
+        self._start[stage], self._end[stage] = _now(), None
 
     def _finish(self, stage):
         start = self._start[stage]
         if start is None or self._end[stage] is not None:
             return
-        self._end[stage] = time.monotonic()
+        self._end[stage] = _now()
         self._offset[stage] += self._end[stage] - start
 
     def _check(self, loop):
