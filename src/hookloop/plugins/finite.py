@@ -69,10 +69,16 @@ class FiniteCheck:
         self._every = every or 1
         self._immediate = False  # read each loss at once (CPU), decided per fit
 
+    @staticmethod
+    def _host_device(loop) -> bool:
+        """Whether the run's tensors live in host memory (the CPU), where
+        reading a loss waits for nothing."""
+        return loop.accelerator.device.type == "cpu"
+
     @hookimpl
     def on_fit_start(self, loop):
         self._pending = []
-        on_cpu = loop.accelerator.device.type == "cpu"
+        on_cpu = self._host_device(loop)
         if self.every is None:
             self._every = 1 if on_cpu else 100
         self._immediate = self.action == "raise" and self._every == 1 and on_cpu

@@ -18,6 +18,9 @@ class Logger:
     ``console=True``, to one printed line. Only the main process writes.
 
     ``every`` is not 1 by default: reading a loss value synchronises a GPU.
+    What it reads from the device, every ``every`` updates and nowhere else:
+    each loss (``.item()``, after a mean over processes) and each gradient
+    norm a clipping plugin measured (``float()``).
     ``project_name`` and ``config`` are what the trackers are started with
     (``accelerator.init_trackers``); the loop finishes them when the fit ends.
     Several loggers may run side by side (``logger``, ``logger-2``).

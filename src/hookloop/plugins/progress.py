@@ -2,6 +2,7 @@
 
 from collections.abc import Mapping
 
+import torch
 from tqdm.auto import tqdm
 
 from ..markers import hookimpl
@@ -9,8 +10,13 @@ from ..markers import hookimpl
 
 class ProgressBar:
     """One bar for the whole fit, counting optimizer updates, showing their
-    rate and, every ``every`` updates, the loss (reading the loss synchronises the device, so not on
-    every step).
+    rate and the loss, without ever waiting for the device.
+
+    Every ``every`` updates the loss is copied to the host asynchronously
+    (``.to("cpu", non_blocking=True)``, with a CUDA event to know when it has
+    arrived); the bar shows the newest copy that has arrived, so the loss it
+    shows may be a few updates old. No ``.item()`` on a device tensor: the
+    training pipeline never stalls for the bar.
 
     A built-in default. ``disable=None`` (the default) lets tqdm decide: the
     bar shows on a terminal and stays silent in a log file. Turn it off for
@@ -19,16 +25,19 @@ class ProgressBar:
     """
 
     name = "progress"
+    changes_training = False
 
     def __init__(self, every=10, disable=None, leave=True):
         self.every = every
         self.disable = disable
         self.leave = leave
         self.bar = None
+        self._copies = []  # [(ready: event or None, {key: host tensor})], oldest first
 
     @hookimpl
     def on_fit_start(self, loop):
         disable = True if not loop.accelerator.is_main_process else self.disable
+        self._copies = []
         self.bar = tqdm(
             total=loop.total_steps,
             initial=loop.state.global_step,
@@ -50,10 +59,17 @@ class ProgressBar:
             return  # one tick per optimizer update
         bar.update(1)
         if loop.state.global_step % self.every == 0:
-            if isinstance(loss, Mapping):
-                bar.set_postfix({k: f"{v.item():.4f}" for k, v in loss.items()}, refresh=False)
-            else:
-                bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
+            self._show_arrived()
+            losses = loss.items() if isinstance(loss, Mapping) else (("loss", loss),)
+            self._copies.append(_to_host({k: v for k, v in losses if v is not None}))
+
+    def _show_arrived(self):
+        """Show the newest copy that has arrived; drop the older ones."""
+        arrived = None
+        while self._copies and (self._copies[0][0] is None or self._copies[0][0].query()):
+            arrived = self._copies.pop(0)[1]
+        if arrived:
+            self.bar.set_postfix({k: f"{float(v):.4f}" for k, v in arrived.items()}, refresh=False)
 
     @hookimpl
     def on_fit_end(self, loop):
@@ -64,6 +80,18 @@ class ProgressBar:
         self._close()
 
     def _close(self):
+        self._copies = []
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def _to_host(tensors: dict):
+    """``(event or None, host copies)``: copies started without waiting; the
+    event (CUDA) tells when they have arrived, None: already there."""
+    copies = {k: v.detach().to("cpu", non_blocking=True) for k, v in tensors.items()}
+    event = None
+    if any(v.is_cuda for v in tensors.values()):
+        event = torch.cuda.Event()
+        event.record()
+    return event, copies
