@@ -202,13 +202,14 @@ class TrainerCallbacks:
         ``restore_callback_states_from_checkpoint=True``; hookloop's resume is
         exact, so always)."""
         self._restored = state.get("trainer_state")
-        if self.state is not None and self._restored is not None:
+        if self._restored is not None:
             self._restore()
 
     # -- hooks: the run --------------------------------------------------------------
 
-    @hookimpl
+    @hookimpl(tryfirst=True)  # before any plugin uses the accelerator: check it is whole
     def on_fit_start(self, loop):
+        _check_accelerate_state()
         self._setup(loop, fit=True)
         self._start_training(loop)
         self._training = True
@@ -459,6 +460,8 @@ class TrainerCallbacks:
     def _sync_state(self, loop):
         st = self.state
         st.global_step = loop.state.global_step
+        if self._skip_epoch:
+            return  # the epoch ended where training stopped (its other batches are skipped)
         length = self._batches_per_epoch
         st.epoch = loop.state.epoch + (loop.state.step_in_epoch / length if length else 0.0)
 
@@ -770,8 +773,26 @@ def _default_args(loop):
         "num_train_epochs": float(state.max_epochs or 1),
         "max_steps": state.max_steps or -1,
         "use_cpu": acc.device.type == "cpu",
+        # else TrainingArguments resets Accelerate's state, under the loop's Accelerator
+        "accelerator_config": {"use_configured_state": True},
     }
     return TrainingArguments(**{k: v for k, v in wanted.items() if k in fields})
+
+
+def _check_accelerate_state():
+    """``TrainingArguments(...)`` resets Accelerate's process-wide state
+    when it is created (unless ``accelerator_config={"use_configured_state":
+    True}``): created after the loop's ``Accelerator``, it leaves that
+    accelerator without a state, and every later use fails obscurely."""
+    from accelerate.state import AcceleratorState
+
+    if not AcceleratorState._shared_state:
+        raise RuntimeError(
+            "TrainerCallbacks: Accelerate's state was reset after the loop's Accelerator was "
+            "created: creating transformers.TrainingArguments does that. Create the "
+            "TrainingArguments before the Accelerator, or pass them "
+            "accelerator_config={'use_configured_state': True}"
+        )
 
 
 def _value(option):
