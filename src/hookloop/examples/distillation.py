@@ -55,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         f"what to fine-tune when there is no teacher: '{tc.MINILM}' (the packaged "
         "all-MiniLM-L6-v2, default) or a local directory"))
     p.add_argument("--teacher-epochs", type=int, default=1, help="fine-tuning epochs (1)")
-    p.add_argument("--teacher-lr", type=float, default=5e-5, help="fine-tuning peak lr (5e-5)")
+    p.add_argument("--teacher-lr", type=float, default=1e-4, help="fine-tuning peak lr (1e-4)")
     p.add_argument("--epochs", type=int, default=3, help="student epochs (3)")
     p.add_argument("--batch-size", type=int, default=32, help="32")
     p.add_argument("--lr", type=float, default=1e-3, help="student peak lr, Adam, linear warm-up (1e-3)")
@@ -131,12 +131,17 @@ def build_student(teacher, args):
     config = BertConfig(
         vocab_size=t.vocab_size, hidden_size=args.hidden, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, intermediate_size=4 * args.hidden,
-        max_position_embeddings=max(64, args.max_length), type_vocab_size=t.type_vocab_size,
-        pad_token_id=t.pad_token_id, num_labels=2, id2label=tc.LABELS,
+        max_position_embeddings=max(64, args.max_length),
+        type_vocab_size=getattr(t, "type_vocab_size", 2), pad_token_id=t.pad_token_id or 0,
+        num_labels=2, id2label=tc.LABELS,
         label2id={v: k for k, v in tc.LABELS.items()},
     )
     student = BertForSequenceClassification(config)
     if args.student_init == "teacher-embeddings":
+        width = teacher.get_input_embeddings().weight.shape[1]
+        if args.hidden > width:
+            raise ValueError(f"--hidden {args.hidden} is wider than the teacher's embeddings "
+                             f"({width}): choose at most {width}, or --student-init random")
         embeddings = student.get_input_embeddings().weight
         with torch.no_grad():
             embeddings.copy_(pca(teacher.get_input_embeddings().weight.detach().float(), args.hidden))
@@ -225,24 +230,28 @@ def accuracy(model, data, tokenizer, args) -> float:
     return correct / max(total, 1)
 
 
-def ms_per_batch(model, data, tokenizer, args) -> float:
-    """Median forward time of one held-out batch, in milliseconds (after one
-    warm-up batch), over ``--speed-batches`` batches."""
+def ms_per_batch(models, data, tokenizer, args) -> list[float]:
+    """Median forward time of one held-out batch for each model, in
+    milliseconds, over ``--speed-batches`` batches after a warm-up one. The
+    models take turns on each batch, so that other work on the machine slows
+    them alike."""
     import torch
 
     _, test = tc.make_dataloaders(data, tokenizer, args.batch_size)
-    model.eval()
-    times = []
+    times = [[] for _ in models]
+    for model in models:
+        model.eval()
     with torch.no_grad():
         for i, batch in enumerate(test):
             batch = {k: v for k, v in batch.items() if k != "labels"}
-            start = time.perf_counter()
-            model(**batch)
-            if i:
-                times.append(time.perf_counter() - start)
-            if len(times) == args.speed_batches:
+            for model, spent in zip(models, times):
+                start = time.perf_counter()
+                model(**batch)
+                if i:
+                    spent.append(time.perf_counter() - start)
+            if i == args.speed_batches:
                 break
-    return 1000 * statistics.median(times) if times else float("nan")
+    return [1000 * statistics.median(t) if t else float("nan") for t in times]
 
 
 @dataclass
@@ -283,13 +292,13 @@ def run(args) -> Report:
     labels_only, labels_only_s = train_student(student, data, tokenizer, args)
     print(f"student, distilled (T={args.temperature}, alpha={args.alpha}, {args.epochs} epochs):")
     distilled, distilled_s = train_student(twin, data, tokenizer, args, teacher=teacher)
+    teacher_ms, student_ms = ms_per_batch([teacher, twin], data, tokenizer, args)
     return Report(
         teacher_accuracy=teacher_accuracy,
         labels_only_accuracy=labels_only["eval_accuracy"],
         distilled_accuracy=distilled["eval_accuracy"],
         teacher_params=n_parameters(teacher), student_params=n_parameters(twin),
-        teacher_ms=ms_per_batch(teacher, data, tokenizer, args),
-        student_ms=ms_per_batch(twin, data, tokenizer, args),
+        teacher_ms=teacher_ms, student_ms=student_ms,
         teacher_fine_tune_s=tuned, labels_only_s=labels_only_s, distilled_s=distilled_s,
         wall_s=time.perf_counter() - start,
     )
