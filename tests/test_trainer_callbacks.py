@@ -171,7 +171,7 @@ CONFIGS = {
     # a callback ends the first epoch after 2 of its 6 updates; the second runs whole
     "should_epoch_stop": (dict(eval_strategy="epoch", save_strategy="no", logging_strategy="steps",
                                logging_steps=1), True, lambda: [At("should_epoch_stop", [2])]),
-    # a callback stops training at update 4: the epoch still ends (evaluation, save)
+    # a callback stops training at update 2: the epoch still ends (evaluation, save)
     "should_training_stop": (dict(eval_strategy="epoch", save_strategy="epoch", logging_strategy="epoch",
                                   gradient_accumulation_steps=2),
                              True, lambda: [At("should_training_stop", [2])]),
@@ -378,10 +378,10 @@ def test_should_training_stop_stops_the_loop_and_the_epoch_still_ends():
     loop = tiny_loop([TrainerCallbacks([At("should_training_stop", [3]), recorder])], eval_data=True)
     metrics = loop.fit(epochs=2)
     assert loop.state.global_step == 3 and "eval_loss" in metrics
-    tail = [e for e, _, _ in recorder.events][-7:]
-    assert tail == ["on_step_end", "on_epoch_end", "on_prediction_step", "on_prediction_step",
-                    "on_log", "on_evaluate", "on_log"] or tail[-1] == "on_train_end"
-    assert [e for e, _, _ in recorder.events][-1] == "on_train_end"
+    # the epoch ends as the Trainer's does: its evaluation (2 batches), then the summary
+    assert recorder.events[-8:] == [(e, 3, 0) for e in (
+        "on_step_end", "on_epoch_end", "on_prediction_step", "on_prediction_step", "on_log",
+        "on_evaluate", "on_log", "on_train_end")]
 
 
 def test_should_epoch_stop_ends_the_epoch_and_training_goes_on():
@@ -443,6 +443,20 @@ def test_load_best_model_at_end_loads_the_best_checkpoint_s_weights(tmp_path):
     assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
     accuracies = [e["eval_accuracy"] for e in adapter.state.log_history if "eval_accuracy" in e]
     assert adapter.state.best_metric == max(accuracies)
+
+
+def test_every_evaluation_and_checkpoint_of_the_loop_is_reported(tmp_path):
+    """eval_every evaluations and a Checkpoint plugin's own saves are an
+    on_evaluate / on_save each, whatever the TrainingArguments say."""
+    recorder = Recorder()
+    loop = tiny_loop([Checkpoint(dir=tmp_path, every_steps=3, signals=None, keep_last=None),
+                      TrainerCallbacks([recorder])], eval_data=True)
+    loop.fit(epochs=1, eval_every=3)
+    assert [s for e, s, _ in recorder.events if e == "on_evaluate"] == [3, 6, 8]
+    assert [s for e, s, _ in recorder.events if e == "on_save"] == [3, 6, 8]
+    # outside a fit too: loop.evaluate()
+    loop.evaluate()
+    assert recorder.events[-2:] == [("on_log", 8, 1), ("on_evaluate", 8, 1)]
 
 
 def test_should_save_without_a_checkpoint_plugin_warns_once():
