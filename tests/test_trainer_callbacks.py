@@ -435,14 +435,18 @@ def test_load_best_model_at_end_loads_the_best_checkpoint_s_weights(tmp_path):
                              metric_for_best_model="accuracy", logging_strategy="no")
     adapter = TrainerCallbacks([], args=args)
     loop = tiny_loop([Checkpoint(dir=tmp_path / "ck", every_epoch=False, signals=None, keep_last=None),
-                      adapter], eval_data=True)
-    loop.fit(epochs=3)
-    best = Path(adapter.state.best_model_checkpoint)
-    weights = load_file(str(best / "model.safetensors"))
-    model = loop.networks["model"].unwrapped
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+                      adapter], eval_data=True, scheduler=False)
+    loop.fit(epochs=4)
+    # accuracy 0.375, 0.3125, 0.375, 0.375: the first is the best (strictly greater, as the Trainer)
     accuracies = [e["eval_accuracy"] for e in adapter.state.log_history if "eval_accuracy" in e]
-    assert adapter.state.best_metric == max(accuracies)
+    assert accuracies == [0.375, 0.3125, 0.375, 0.375] and adapter.state.best_metric == 0.375
+    best = Path(adapter.state.best_model_checkpoint)
+    assert best == tmp_path / "ck" / "step-00000008-epoch-end"
+    model = loop.networks["model"].unwrapped
+    weights = load_file(str(best / "model.safetensors"))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+    last = load_file(str(tmp_path / "ck" / "step-00000032-epoch-end" / "model.safetensors"))
+    assert not all(torch.equal(model.state_dict()[k], v) for k, v in last.items())
 
 
 def test_every_evaluation_and_checkpoint_of_the_loop_is_reported(tmp_path):
@@ -459,6 +463,28 @@ def test_every_evaluation_and_checkpoint_of_the_loop_is_reported(tmp_path):
     assert recorder.events[-2:] == [("on_log", 8, 1), ("on_evaluate", 8, 1)]
 
 
+def test_a_best_k_checkpoint_plugin_names_the_best_model(tmp_path):
+    """Checkpoint(monitor=...) saves at every epoch end, for save_strategy="epoch" too
+    (once), and its ``best`` is the state's best model, loaded at the end."""
+    from safetensors.torch import load_file
+
+    recorder = Recorder()
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                             eval_strategy="epoch", save_strategy="epoch", logging_strategy="no",
+                             metric_for_best_model="loss", load_best_model_at_end=True)
+    checkpoint = Checkpoint(dir=tmp_path / "ck", monitor="eval_loss", save_top_k=1, signals=None)
+    adapter = TrainerCallbacks([recorder], args=args)
+    loop = tiny_loop([checkpoint, adapter], eval_data=True)
+    loop.fit(epochs=3)
+    assert [s for e, s, _ in recorder.events if e == "on_save"] == [8, 16, 24]
+    assert adapter.state.best_model_checkpoint == str(checkpoint.best["path"])
+    losses = [e["eval_loss"] for e in adapter.state.log_history if "eval_loss" in e]
+    assert adapter.state.best_metric == min(losses) == pytest.approx(checkpoint.best["value"])
+    weights = load_file(str(Path(checkpoint.best["path"]) / "model.safetensors"))
+    model = loop.networks["model"].unwrapped
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+
+
 def test_should_save_without_a_checkpoint_plugin_warns_once():
     args = TrainingArguments(output_dir="unused", report_to=[], use_cpu=True, save_strategy="steps",
                              save_steps=2, logging_strategy="no")
@@ -466,6 +492,13 @@ def test_should_save_without_a_checkpoint_plugin_warns_once():
     with pytest.warns(RuntimeWarning, match="no hookloop.plugins.Checkpoint plugin") as caught:
         loop.fit(epochs=1)
     assert sum("Checkpoint plugin" in str(w.message) for w in caught) == 1
+
+
+def test_training_arguments_made_under_a_live_accelerator_are_named_as_the_culprit(tmp_path):
+    loop = tiny_loop([TrainerCallbacks([])], accelerator=Accelerator(cpu=True))
+    TrainingArguments(output_dir=str(tmp_path), report_to=[])  # resets Accelerate's state
+    with pytest.raises(RuntimeError, match="creating transformers.TrainingArguments does that"):
+        loop.fit(epochs=1)
 
 
 def test_predict_fires_on_predict():

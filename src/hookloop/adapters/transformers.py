@@ -234,6 +234,7 @@ class TrainerCallbacks:
     def training_step(self, loop):
         # before the strategy (and only for batches that are trained)
         if self._group_pos == 0:
+            self._eval_saved = False
             self._event("on_step_begin")
             self._apply(loop)
         return None  # firstresult: the strategy's result follows
@@ -254,7 +255,6 @@ class TrainerCallbacks:
 
     @hookimpl(wrapper=True)  # after the other plugins: a Checkpoint plugin's save is seen
     def after_step(self, loop, batch, loss):
-        saved_before = [p.last_saved for p in self._checkpoints]
         result = yield
         sync = loop.accelerator.sync_gradients
         self._add_loss(loss, sync)
@@ -275,11 +275,12 @@ class TrainerCallbacks:
             self._log_training(loop)
         if self.control.should_evaluate:
             self._evaluate(loop)
-        self._saved(loop, saved_before, epoch_end=False)
+        self._saved(loop, epoch_end=False)
         return result
 
     @hookimpl
     def on_train_epoch_end(self, loop):
+        self._eval_saved = False
         self._sync_state(loop)
         self._event("on_epoch_end")
         self._apply(loop)
@@ -291,14 +292,14 @@ class TrainerCallbacks:
 
     @hookimpl(wrapper=True)  # after the other plugins, a Checkpoint plugin's save included
     def on_epoch_end(self, loop):
-        saved_before = [p.last_saved for p in self._checkpoints]
         result = yield
-        self._saved(loop, saved_before, epoch_end=loop.state.epoch_complete)
+        self._saved(loop, epoch_end=loop.state.epoch_complete)
         return result
 
     @hookimpl(wrapper=True)  # after the other plugins' end-of-fit work
     def on_fit_end(self, loop):
         result = yield
+        self._new_save()  # a Checkpoint plugin's final save: the Trainer has none to report
         self._training = False
         self._log_train_summary(loop)
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
@@ -330,8 +331,17 @@ class TrainerCallbacks:
         self._event("on_prediction_step")
         return None
 
-    @hookimpl
+    @hookimpl(wrapper=True)  # the metrics every plugin added; a Checkpoint(monitor=) save seen
     def on_eval_end(self, loop, metrics):
+        result = yield
+        self._report_evaluation(loop, metrics)
+        path = self._new_save() if self._training else None
+        if path is not None:  # a Checkpoint plugin saved for this evaluation (monitor=...)
+            self._eval_saved = True
+            self._report_save(loop, path)
+        return result
+
+    def _report_evaluation(self, loop, metrics):
         n = self._eval_examples * loop.accelerator.num_processes
         out = {}
         for key, value in metrics.items():  # the Trainer's metric_key_prefix rule
@@ -387,6 +397,8 @@ class TrainerCallbacks:
         self._total_loss: dict = {}
         self._skip_epoch = False
         self._checkpoints: list = []
+        self._seen: list = []
+        self._eval_saved = False  # a Checkpoint plugin saved for an evaluation in this step
         self._evaluating = None
         self._eval_start = time.time()
         self._eval_batches = self._eval_examples = 0
@@ -420,6 +432,7 @@ class TrainerCallbacks:
         st.is_world_process_zero = acc.is_main_process
         st.compute_steps(self.args, st.max_steps)
         self._checkpoints = checkpointing.checkpoint_plugins(loop)
+        self._seen = [p.last_saved for p in self._checkpoints]
         self._last_logged = st.global_step
         self._initial_step = st.global_step
         self._initial_micro = loop.state.micro_step
@@ -601,16 +614,29 @@ class TrainerCallbacks:
             return True
         return False
 
-    def _saved(self, loop, saved_before, epoch_end):
+    def _new_save(self):
+        """The checkpoint a Checkpoint plugin wrote since the last look, if any."""
+        now = [p.last_saved for p in self._checkpoints]
+        path = next((n for n, seen in zip(now, self._seen) if n is not None and n != seen), None)
+        self._seen = now
+        return path
+
+    def _saved(self, loop, epoch_end):
         """After a step or epoch end: the checkpoint a Checkpoint plugin
         wrote meanwhile, else the one ``control.should_save`` asks for; then
         ``on_save``."""
-        path = next((p.last_saved for p, before in zip(self._checkpoints, saved_before)
-                     if p.last_saved is not None and p.last_saved != before), None)
+        path = self._new_save()
+        saved_for_evaluation, self._eval_saved = self._eval_saved, False
         if path is None and self.control.should_save:
+            if saved_for_evaluation:  # this step's evaluation was saved (and reported) already
+                self.control.should_save = False
+                return
             path = self._save(loop, epoch_end)
-        if path is None:
-            return
+            self._seen = [p.last_saved for p in self._checkpoints]
+        if path is not None:
+            self._report_save(loop, path)
+
+    def _report_save(self, loop, path):
         st = self.state
         self._saved_at[st.global_step] = str(path)
         best = getattr(st, "best_global_step", None) or self._best_step
@@ -646,10 +672,12 @@ class TrainerCallbacks:
     def _best_from_checkpoint_plugins(self):
         """A Checkpoint plugin that keeps the best checkpoints (``best``:
         path and value) names the best model."""
+        wanted = self.args.metric_for_best_model
+        names = (None,) if wanted is None else (wanted, wanted if wanted.startswith("eval_") else f"eval_{wanted}")
         for plugin in self._checkpoints:
             best = getattr(plugin, "best", None)
-            if best is None:
-                continue
+            if best is None or (wanted is not None and getattr(plugin, "monitor", None) not in names):
+                continue  # it keeps the best by another metric than metric_for_best_model
             if isinstance(best, Mapping):
                 path, value = best.get("path"), best.get("value")
             elif isinstance(best, (tuple, list)) and len(best) == 2:
