@@ -247,3 +247,56 @@ def test_the_default_loss_path_pays_nothing_for_the_checks():
 
     tiny_loop([Counting()]).fit(epochs=1)
     assert len(calls) == 8
+
+
+# -- what eval_step returns ----------------------------------------------------------------
+
+
+class ListEval:
+    @hookimpl
+    def eval_step(self, loop, batch):
+        return [0.5, 0.7]
+
+
+def _fit_with(plugin):
+    trained = []
+
+    class Count:
+        @hookimpl
+        def before_step(self):
+            trained.append(1)
+
+    loop = tiny_loop([plugin, Count()], eval_data=True)
+    with pytest.raises(Exception) as info:
+        loop.fit(epochs=1)
+    return info.value, trained
+
+
+def test_an_unusable_eval_step_result_fails_at_the_sanity_check_before_training():
+    exc, trained = _fit_with(ListEval())
+    assert trained == []  # found in seconds, not after an epoch
+    assert not isinstance(exc, AttributeError)
+
+
+def test_an_eval_step_returning_nothing_names_the_strategy_before_training():
+    """The GAN strategy has no eval_step: evaluating it fails at the sanity check."""
+    from hookloop.testing import tiny_gan_loop
+
+    trained = []
+
+    class Count:
+        @hookimpl
+        def before_step(self):
+            trained.append(1)
+
+    gan = tiny_gan_loop([Count()])
+    gan.eval_data = gan.train_data
+    with pytest.raises(TypeError, match="no plugin returned a result from eval_step for strategy 'gan'"):
+        gan.fit(epochs=1)
+    assert trained == []
+
+
+@pytest.mark.xfail(strict=True, reason="needs DefaultMetrics to name the eval_step plugin (report)")
+def test_an_unusable_eval_step_result_names_the_plugin_that_returned_it():
+    exc, _ = _fit_with(ListEval())
+    assert "ListEval" in str(exc) and "eval_step" in str(exc)
