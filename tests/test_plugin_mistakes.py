@@ -300,3 +300,12 @@ def test_an_eval_step_returning_nothing_names_the_strategy_before_training():
 def test_an_unusable_eval_step_result_names_the_plugin_that_returned_it():
     exc, _ = _fit_with(ListEval())
     assert "ListEval" in str(exc) and "eval_step" in str(exc)
+
+
+@pytest.mark.xfail(strict=True, reason="needs loop.py to label user-given plugins plugins[i] (report)")
+def test_a_name_the_user_gave_twice_says_where_in_the_plugins_list():
+    with pytest.raises(PluginValidationError) as info:
+        tiny_loop([("gradclip", {"name": "x", "max_norm": 1.0}), ("logger", {"name": "x"})])
+    message = str(info.value)
+    assert "plugins[0]" in message and "plugins[1]" in message
+    assert "both from built-in" not in message
