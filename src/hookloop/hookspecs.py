@@ -205,10 +205,13 @@ def training_step(loop, batch):
     """Do everything one batch does: forward, loss, backward, optimizer steps.
 
     This is the *strategy* hook. The built-in supervised strategy (one network
-    named ``"model"``) and :class:`hookloop.strategies.GAN` (two networks)
+    named ``"model"``), :class:`hookloop.strategies.GAN` (two networks) and
+    :class:`hookloop.strategies.Distillation` (a frozen teacher, a student)
     implement it ``trylast``, so a user plugin that returns a result replaces
     them. A strategy calls the per-network hooks (``compute_loss``,
-    ``before_backward`` ... ``after_zero_grad``) through ``loop.hook``.
+    ``before_backward`` ... ``after_zero_grad``) through the functions of
+    :mod:`hookloop.strategy` (``loss_and_backward``, ``update``), the kit to
+    write one.
 
     :param loop: the :class:`~hookloop.Loop`.
     :param batch: the training batch (after ``before_step``).
@@ -262,8 +265,12 @@ def compute_loss(loop, network, batch, outputs):
     (``trylast``) returns ``outputs.loss`` when the model computed one, else
     the cross-entropy of the logits against the batch's targets; the GAN
     strategy's default is the non-saturating BCE-with-logits loss for
-    ``network.name`` ``"generator"`` and ``"discriminator"``. Return ``None``
-    to leave the decision to the next implementation (for another network).
+    ``network.name`` ``"generator"`` and ``"discriminator"``; the
+    distillation strategy's, for ``"student"``, the temperature-scaled KL to
+    the teacher plus the hard-label cross-entropy. Return ``None`` to leave
+    the decision to the next implementation (for another network). A result
+    that is not a scalar tensor with a graph raises an error naming the
+    plugin that returned it.
 
     :param loop: the :class:`~hookloop.Loop`.
     :param network: the :class:`~hookloop.Network` being trained
@@ -272,7 +279,9 @@ def compute_loss(loop, network, batch, outputs):
     :param outputs: the network's forward output for this batch. For the
         GAN strategy a dict: the discriminator's logits on real and fake
         samples and the samples themselves (see
-        :mod:`hookloop.strategies.gan` for the keys of each network).
+        :mod:`hookloop.strategies.gan` for the keys of each network); for the
+        distillation strategy ``{"student": ..., "teacher": ...}``, both
+        networks' outputs (the teacher's without a graph).
     :return: a scalar tensor.
 
     Stops at the first non-None result.
