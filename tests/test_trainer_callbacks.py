@@ -524,6 +524,14 @@ def test_a_bad_callback_or_args_is_refused_with_its_name():
     assert [type(c).__name__ for c in adapter.callbacks] == ["DefaultFlowCallback", "EarlyStoppingCallback"]
 
 
+def test_report_to_adds_its_integration_callbacks(tmp_path):
+    from transformers.integrations import TensorBoardCallback
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=["tensorboard"])
+    adapter = TrainerCallbacks([Recorder], args=args)
+    assert [type(c) for c in adapter.callbacks][1:] == [TensorBoardCallback, Recorder]
+
+
 def test_listed_by_hookloop_plugins_and_import_hookloop_stays_free_of_transformers(capsys):
     from hookloop.cli import main
 
