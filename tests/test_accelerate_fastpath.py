@@ -11,7 +11,9 @@ import accelerate.optimizer
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.data_loader import DataLoaderShard
 from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -84,6 +86,8 @@ def test_the_installed_accelerate_is_the_verified_one():
         ("AcceleratedOptimizer.step", AcceleratedOptimizer.step),
         ("AcceleratedOptimizer.zero_grad", AcceleratedOptimizer.zero_grad),
         ("Accelerator.backward", Accelerator.backward),
+        ("AcceleratedScheduler.step", AcceleratedScheduler.step),
+        ("DataLoaderShard.__iter__", DataLoaderShard.__iter__),
     )}
     assert fastpath.accelerate_verified(), (
         f"accelerate {accelerate.__version__}: {found} is not in VERIFIED, so hookloop pays "
@@ -226,3 +230,101 @@ def test_two_processes_train_bit_for_bit_like_the_hand_written_loop(tmp_path):
             assert r["trained"] and r["equal_to_hand"] and r["ranks_agree"], (rank, accumulation, r)
             assert r["fast_step"] and r["accelerate_lookups"] == 0
             assert r["plain_backward"] == (accumulation == "1")
+
+
+# -- the scheduler wrapper and the dataloader -------------------------------------------
+
+
+@pytest.fixture
+def accelerate_state_calls(monkeypatch):
+    """Counts ``AcceleratorState()`` built inside ``AcceleratedScheduler.step``
+    (once per call): zero means Accelerate's scheduler step was not run."""
+    import accelerate.scheduler
+
+    calls = []
+    original = accelerate.scheduler.AcceleratorState
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(accelerate.scheduler, "AcceleratorState", counting)
+    return calls
+
+
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_the_scheduler_steps_as_accelerates_wrapper_without_its_per_call_state(
+    accumulation, accelerate_state_calls
+):
+    kwargs = dict(gradient_accumulation_steps=accumulation)
+    expected = by_hand(**kwargs)
+    accelerate_state_calls.clear()
+    got, loop = with_hookloop(**kwargs)
+    assert same(expected, got)
+    assert accelerate_state_calls == []
+    scheduler = loop.networks["model"].scheduler
+    # the same count of steps as Accelerate's wrapper makes (accumulation included)
+    reset_accelerate()
+    model, optimizer, data, sched = job()
+    acc = Accelerator(**kwargs)
+    train_by_hand(acc, model, optimizer, data, sched, EPOCHS)
+    assert scheduler.scheduler.last_epoch == sched.last_epoch
+    assert scheduler.scheduler._step_count == sched._step_count
+
+
+def test_a_one_cycle_schedule_stops_at_its_total_as_accelerate_does():
+    def one_cycle(optimizer):
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=15)
+
+    def run(use_hookloop):
+        reset_accelerate()
+        model, optimizer, data, _ = job()
+        scheduler = one_cycle(optimizer)  # 15 < 20 updates: Accelerate stops stepping it
+        if use_hookloop:
+            Loop(model=model, optimizer=optimizer, scheduler=scheduler, train_data=data,
+                 block=["progress"]).fit(epochs=EPOCHS)
+        else:
+            train_by_hand(Accelerator(), model, optimizer, data, scheduler, EPOCHS)
+        return params(model), scheduler._step_count
+
+    (fast_params, fast_steps), (hand_params, hand_steps) = run(True), run(False)
+    assert fast_steps == hand_steps == 16 and same(fast_params, hand_params)
+
+
+def _loader(acc):
+    x = torch.arange(20.0).reshape(10, 2)
+    return acc.prepare(DataLoader(TensorDataset(x), batch_size=3, shuffle=True,
+                                  generator=torch.Generator().manual_seed(0)))
+
+
+def test_batches_come_as_accelerate_yields_them_with_the_last_one_flagged():
+    reset_accelerate()
+    acc = Accelerator()
+    fast = fastpath.FastPath(acc)
+    seen_fast, flags = [], []
+    for (batch,) in fast.batches(_loader(acc)):
+        seen_fast.append(batch.clone())
+        flags.append(acc.gradient_state.end_of_dataloader)
+    assert flags == [False, False, False, True]
+    assert acc.gradient_state.active_dataloader is None  # ended, as Accelerate ends it
+    seen = [b.clone() for (b,) in _loader(acc)]
+    assert len(seen) == 4 and all(torch.equal(a, b) for a, b in zip(seen_fast, seen, strict=True))
+
+
+def test_a_loader_skipping_a_resumed_epoch_s_first_batches_yields_the_same_rest():
+    reset_accelerate()
+    acc = Accelerator()
+    fast = fastpath.FastPath(acc)
+    rest_fast = [b.clone() for (b,) in fast.batches(acc.skip_first_batches(_loader(acc), 1))]
+    rest = [b.clone() for (b,) in acc.skip_first_batches(_loader(acc), 1)]
+    assert len(rest) == 3 and all(torch.equal(a, b) for a, b in zip(rest_fast, rest, strict=True))
+
+
+def test_batches_fall_back_to_accelerate_where_they_would_move():
+    reset_accelerate()
+    acc = Accelerator()
+    loader = acc.prepare(DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=2))
+    fast = fastpath.FastPath(acc)
+    assert fast.batches(loader) is not loader  # the CPU: nothing to move
+    loader.device = torch.device("meta")  # a device the batches would have to go to
+    assert fast.batches(loader) is loader

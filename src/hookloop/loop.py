@@ -279,12 +279,14 @@ class Loop:
                 if hasattr(self.train_data, "set_epoch"):
                     self.train_data.set_epoch(epoch)
                 hook.on_epoch_start(loop=self, epoch=epoch)
+                loaders_before = list(self.accelerator.gradient_state.dataloader_references)
                 if state.step_in_epoch:  # continuing mid-epoch: same batches, none replayed
                     batches = self._rest_of_epoch(resume)
                 else:
                     self._epoch_rng = checkpointing.capture_epoch(self.train_data)
-                    batches = self.train_data
-                state.epoch_complete = self._train_epoch(hook, batches, max_steps, eval_every)
+                    batches = self._fastpath.batches(self.train_data)
+                state.epoch_complete = self._train_epoch(hook, batches, max_steps, eval_every,
+                                                         loaders_before)
                 hook.on_train_epoch_end(loop=self, epoch=epoch)
                 metrics = self._train_values.reduce(self.accelerator)  # loop.log(on_epoch=True)
                 if self.eval_data is not None:
@@ -300,7 +302,7 @@ class Loop:
             hook.on_fit_end(loop=self)
         return metrics
 
-    def _train_epoch(self, hook, batches, max_steps, eval_every) -> bool:
+    def _train_epoch(self, hook, batches, max_steps, eval_every, loaders_before) -> bool:
         """Train on ``batches``; True if they ran out, False if a stop or
         ``max_steps`` ended the epoch (always at an update boundary)."""
         state = self.state
@@ -331,7 +333,7 @@ class Loop:
             if self._in_group:
                 continue  # a stop or an evaluation waits for the end of the accumulation group
             if state.should_stop or (max_steps is not None and state.global_step >= max_steps):
-                _abandon(batches, self.accelerator)
+                _abandon(batches, self.accelerator, loaders_before)
                 return length is not None and state.step_in_epoch >= length
             if (eval_every is not None and state.global_step % eval_every == 0
                     and state.global_step != self._evaluated_at
@@ -522,6 +524,7 @@ class Loop:
         rng = checkpointing.capture_rng()
         generators = {path: g.get_state() for path, g in checkpointing.data_generators(data).items()}
         stage, state.stage = state.stage, "sanity_check"
+        loaders_before = list(self.accelerator.gradient_state.dataloader_references)
         batches = iter(data)
         try:
             batch = next(batches, _END)
@@ -533,7 +536,7 @@ class Loop:
                     _add_metrics(self, values, {}, {})
         finally:
             state.stage = stage
-            _abandon(batches, self.accelerator, data)
+            _abandon(batches, self.accelerator, loaders_before)
             checkpointing.restore_rng(rng)
             checkpointing._restore_generators(data, generators)
 
@@ -866,17 +869,20 @@ def _length(data) -> int | None:
         return None
 
 
-def _abandon(batches, accelerator, loader=None):
-    """Stop iterating a prepared dataloader before its end. Accelerate
-    unregisters a dataloader from its gradient state only when the iteration
-    runs out; an abandoned one would stay the "active" dataloader."""
+def _abandon(batches, accelerator, before):
+    """Stop iterating prepared dataloaders before their end. Accelerate
+    unregisters a dataloader from its gradient state only when its iteration
+    runs out; an abandoned one would stay the "active" dataloader. ``before``:
+    the gradient state's dataloaders before the iteration began (the ones
+    since are ended: the loader itself, or the copy that skips a resumed
+    epoch's first batches)."""
     close = getattr(batches, "close", None)
     if close is not None:
         close()
-    loader = loader if loader is not None else batches
     references = accelerator.gradient_state.dataloader_references
-    if isinstance(loader, DataLoaderStateMixin) and loader in references:
-        loader.end()
+    for loader in [r for r in references if r is not None and all(r is not b for b in before)]:
+        if isinstance(loader, DataLoaderStateMixin):
+            loader.end()
 
 
 def _step_output(loop, result):

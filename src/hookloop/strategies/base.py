@@ -185,12 +185,12 @@ def update(loop, network):
     counts them, so skipping them would change the scheduler's state. The
     hooks fire only on synchronised steps, where something actually happens.
     """
-    fast = loop._fastpath  # optimizer.step() / zero_grad() without Accelerate's per-call lookups
+    fast = loop._fastpath  # Accelerate's step() / zero_grad() without their per-call lookups
     optimizer, scheduler = network.optimizer, network.scheduler
-    if not loop.accelerator.sync_gradients:
+    if not fast.sync_gradients():
         fast.step(optimizer)
         if scheduler is not None:
-            scheduler.step()
+            fast.scheduler_step(scheduler)
         fast.zero_grad(optimizer)
         return
     hook = loop.hook
@@ -199,7 +199,7 @@ def update(loop, network):
     hook.after_optimizer_step(loop=loop, network=network)
     if scheduler is not None:
         hook.before_scheduler_step(loop=loop, network=network)
-        scheduler.step()
+        fast.scheduler_step(scheduler)
         hook.after_scheduler_step(loop=loop, network=network)
     hook.before_zero_grad(loop=loop, network=network)
     fast.zero_grad(optimizer)
