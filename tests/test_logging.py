@@ -202,3 +202,12 @@ def test_each_instance_s_state_comes_back_to_it_on_resume(tiny_loop, tmp_path):
     a, b = Counter(1), Counter(2)
     tiny_loop([a, b, Checkpoint(dir=tmp_path, signals=None)], resume_from="latest")
     assert (a.count, b.count) == (4, 2)
+
+
+def test_hookloop_plugins_shows_the_instances_a_list_of_names_gets(capsys):
+    from hookloop.cli import main
+
+    assert main(["plugins", "logger", "logger", 'logger={"name": "fast", "every": 2}', "gradclip=" +
+                 '{"max_norm": 1.0}']) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["logger", "logger-2", "fast", "gradclip"]

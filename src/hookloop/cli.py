@@ -1,6 +1,7 @@
 """The hookloop command: list plugins and hooks, run the demos.
 
     hookloop plugins [--json]     what a Loop would load, and why
+    hookloop plugins NAME ...     the instances Loop(plugins=[NAME, ...]) would register
     hookloop hooks                the hook reference
     hookloop demo [NAME] [ARGS]   run a packaged example (default: the GAN demo)
     hookloop new-plugin NAME      write a ready plugin distribution (hookloop.scaffold)
@@ -104,7 +105,36 @@ def hook_reference() -> str:
     return "\n".join(out)
 
 
+def instance_rows(given) -> list[dict]:
+    """The plugins ``Loop(plugins=given)`` would register from a list of
+    names (``"logger"``, or ``'logger={"every": 2}'`` with options as JSON):
+    each instance's name (``logger``, ``logger-2``; an option ``name`` names
+    it), in call order."""
+    from . import loop as loop_module
+
+    installed = {i.name: i for i in plugin_manager.discover()}
+    entries = []
+    for spec in given:
+        name, _, options = spec.partition("=")
+        item = (name, json.loads(options)) if options else name
+        plugin, source, explicit, base = loop_module._resolve_named(item, installed)
+        entries.append((plugin, explicit, base, source))
+    return [
+        {"name": name, "given": spec, "object": f"{type(p).__module__}.{type(p).__qualname__}",
+         "source": source, "hooks": plugin_manager.implemented_hooks(p)}
+        for spec, (p, name, source) in zip(given, loop_module._name_instances(entries))
+    ]
+
+
 def _cmd_plugins(args) -> int:
+    if args.given:
+        rows = instance_rows(args.given)
+        if args.json:
+            print(json.dumps(rows, indent=2))
+            return 0
+        for r in rows:
+            print(f"{r['name']:<14} {r['given']:<30} {r['object']}")
+        return 0
     rows = plugin_rows()
     if args.hook:
         rows = [r for r in rows if args.hook in r["hooks"]]
@@ -146,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hookloop {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plugins", help="list the plugins a Loop would load")
+    p.add_argument("given", nargs="*", metavar="NAME[=JSON]",
+                   help="plugins as given to Loop(plugins=[...]) by name, e.g. logger "
+                        "'logger={\"every\": 2}': show the instance names they would get")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--hook", help="only plugins implementing this hook")
     p.set_defaults(func=_cmd_plugins)
