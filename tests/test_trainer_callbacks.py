@@ -485,6 +485,20 @@ def test_a_best_k_checkpoint_plugin_names_the_best_model(tmp_path):
     assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
 
 
+def test_should_save_never_rotates_away_a_best_checkpoint(tmp_path):
+    """save_strategy="steps" saves for the callbacks after a best-k Checkpoint's
+    best: it survives them. (The best is made the first epoch's by ranking the
+    falling evaluation loss with mode="max".)"""
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, logging_strategy="no",
+                             save_strategy="steps", save_steps=3)
+    checkpoint = Checkpoint(dir=tmp_path / "ck", monitor="eval_loss", mode="max", save_top_k=1,
+                            signals=None)
+    loop = tiny_loop([checkpoint, TrainerCallbacks([], args=args)], eval_data=True, scheduler=False)
+    loop.fit(epochs=4)
+    assert Path(checkpoint.best["path"]).name == "step-00000008-epoch-end"
+    assert (tmp_path / "ck" / "step-00000008-epoch-end").is_dir()
+
+
 def test_should_save_without_a_checkpoint_plugin_warns_once():
     args = TrainingArguments(output_dir="unused", report_to=[], use_cpu=True, save_strategy="steps",
                              save_steps=2, logging_strategy="no")

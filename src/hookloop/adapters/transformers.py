@@ -649,10 +649,12 @@ class TrainerCallbacks:
     def _save(self, loop, epoch_end):
         """A checkpoint now, into the first Checkpoint plugin's directory.
 
-        ``hookloop.plugins.Checkpoint`` has no public "save now"; this calls
-        :func:`hookloop.checkpointing.save` as the plugin does (its rotation
-        included). The plugin does not know of this save: it may save the
-        same position again when the fit ends."""
+        ``hookloop.plugins.Checkpoint`` has no public "save now" (a
+        ``save(loop, reason=, epoch_end=)`` method is used once it has one);
+        this calls :func:`hookloop.checkpointing.save` as the plugin does (its
+        rotation included, unless it ranks by ``monitor``). The plugin does
+        not know of this save: it may save the same position again when the
+        fit ends."""
         from .. import checkpointing
 
         if not self._checkpoints:
@@ -666,8 +668,14 @@ class TrainerCallbacks:
             self.control.should_save = False
             return None
         plugin = self._checkpoints[0]
+        save_now = getattr(plugin, "save", None)  # a public "save now", once Checkpoint has one
+        if callable(save_now):
+            return save_now(loop, reason="trainer_callbacks", epoch_end=epoch_end)
+        # a plugin keeping the best (monitor=...) rotates with its ranking: no rotation here,
+        # which could delete one of its best; its next save rotates
+        keep_last = None if getattr(plugin, "monitor", None) is not None else plugin.keep_last
         return checkpointing.save(loop, plugin.directory(loop), reason="trainer_callbacks",
-                                  epoch_end=epoch_end, keep_last=plugin.keep_last)
+                                  epoch_end=epoch_end, keep_last=keep_last)
 
     def _best_from_checkpoint_plugins(self):
         """A Checkpoint plugin that keeps the best checkpoints (``best``:
