@@ -351,3 +351,18 @@ def test_close_releases_the_loop_and_a_second_loop_trains(tiny_loop):
     second = tiny_loop()
     second.fit(max_steps=2)
     assert second.state.global_step == 2
+
+
+def test_end_epoch_ends_the_epoch_as_if_its_data_ran_out(tiny_loop):
+    class EndAt3:
+        @hookimpl
+        def after_step(self, loop):
+            if loop.state.step_in_epoch == 3:
+                loop.end_epoch()
+
+    recorder = HookRecorder(hooks=["on_epoch_start", "on_epoch_end"])
+    loop = tiny_loop([EndAt3(), recorder], eval_data=True)
+    metrics = loop.fit(epochs=2)
+    assert metrics != {}
+    assert [c["epoch"] for c in recorder.calls_of("on_epoch_end")] == [0, 1]
+    assert (loop.state.epoch, loop.state.step_in_epoch, loop.state.global_step) == (2, 0, 6)

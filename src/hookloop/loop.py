@@ -138,6 +138,13 @@ class Loop:
         """From ``before_step``: do not train on the current batch."""
         self.state.skip_batch = True
 
+    def end_epoch(self):
+        """End the current epoch at the next update boundary, as if its data
+        had run out (the Hugging Face Trainer's ``should_epoch_stop``): its
+        evaluation and ``on_epoch_end`` run, then the next epoch starts with
+        its first batch; the rest of this epoch's batches are not trained."""
+        self.state.end_epoch = True
+
     def log(self, values: Mapping[str, Any], *, on_step: bool = True, on_epoch: bool = False,
             reduce: str = "mean") -> None:
         """Log ``values`` (numbers or tensors, by name) from any hook, on
@@ -258,6 +265,7 @@ class Loop:
             self.load_checkpoint(resume_from)
         state.max_epochs, state.max_steps = epochs, max_steps
         state.should_stop, state.stop_reason, state.skip_batch = False, None, False
+        state.end_epoch = False
         metrics: dict = {}
         # trackers end last, after on_exception: a plugin may still log there
         with self._trackers_for_fit(), self._guard(), self._stage("train"):
@@ -332,8 +340,12 @@ class Loop:
                 hook.after_step(loop=self, batch=batch, outputs=result.outputs, loss=result.loss)
             if self._in_group:
                 continue  # a stop or an evaluation waits for the end of the accumulation group
-            if state.should_stop or (max_steps is not None and state.global_step >= max_steps):
+            if state.should_stop or state.end_epoch or (
+                    max_steps is not None and state.global_step >= max_steps):
                 _abandon(batches, self.accelerator, loaders_before)
+                if state.end_epoch:
+                    state.end_epoch = False
+                    return True  # over, as if the data had run out
                 return length is not None and state.step_in_epoch >= length
             if (eval_every is not None and state.global_step % eval_every == 0
                     and state.global_step != self._evaluated_at

@@ -42,6 +42,8 @@ class LoopState:
     stop_reason: str | None = None
     #: set by :meth:`Loop.skip_batch` in ``before_step``; reset every batch
     skip_batch: bool = False
+    #: set by :meth:`Loop.end_epoch`: the epoch ends at the next update boundary
+    end_epoch: bool = False
     #: from ``on_train_epoch_end`` to ``on_epoch_end``: True when the epoch's
     #: data ran out (the next epoch follows), False when a stop or
     #: ``max_steps`` ended it early (the next ``fit`` continues this epoch)
@@ -53,7 +55,7 @@ class LoopState:
     stage: str | None = None
 
     # the flags are per-run decisions, not position: not checkpointed
-    _TRANSIENT = ("should_stop", "stop_reason", "skip_batch", "max_epochs", "max_steps",
+    _TRANSIENT = ("should_stop", "stop_reason", "skip_batch", "end_epoch", "max_epochs", "max_steps",
                   "epoch_complete", "stage")
 
     def state_dict(self) -> dict:
