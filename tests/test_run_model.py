@@ -366,3 +366,12 @@ def test_end_epoch_ends_the_epoch_as_if_its_data_ran_out(tiny_loop):
     assert metrics != {}
     assert [c["epoch"] for c in recorder.calls_of("on_epoch_end")] == [0, 1]
     assert (loop.state.epoch, loop.state.step_in_epoch, loop.state.global_step) == (2, 0, 6)
+
+
+def test_an_accelerator_whose_state_was_reset_is_named():
+    from hookloop.testing import reset_accelerate, tiny_loop
+
+    accelerator = Accelerator()
+    reset_accelerate()  # what creating transformers.TrainingArguments does
+    with pytest.raises(RuntimeError, match="state was reset after this Accelerator was created"):
+        tiny_loop(accelerator=accelerator)

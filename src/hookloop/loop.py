@@ -86,6 +86,8 @@ class Loop:
         frozen = set(getattr(self.strategy, "frozen_networks", ()))
         #: the networks ``fit`` puts in train mode (not a strategy's frozen ones)
         self._trainable = [n for name, n in self.networks.items() if name not in frozen]
+        if accelerator is not None:
+            _check_state_of(accelerator)
         self.accelerator = accelerator if accelerator is not None else Accelerator()
         self.train_data = train_data
         self.eval_data = eval_data
@@ -286,6 +288,7 @@ class Loop:
                     resume.restore_now(self.train_data)  # resumed at an epoch boundary
                 if hasattr(self.train_data, "set_epoch"):
                     self.train_data.set_epoch(epoch)
+                state.end_epoch = False  # asked after the last epoch's training: nothing to end
                 hook.on_epoch_start(loop=self, epoch=epoch)
                 loaders_before = list(self.accelerator.gradient_state.dataloader_references)
                 if state.step_in_epoch:  # continuing mid-epoch: same batches, none replayed
@@ -867,6 +870,20 @@ def _close_open_loops():
             torch.distributed.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
+
+
+def _check_state_of(accelerator):
+    """An ``Accelerator`` whose process-wide state was reset after it was
+    made (creating ``transformers.TrainingArguments`` does that) fails later
+    with an obscure ``AttributeError``: say what happened instead."""
+    from accelerate.state import AcceleratorState
+
+    if not AcceleratorState._shared_state:
+        raise RuntimeError(
+            "accelerator=: Accelerate's process-wide state was reset after this Accelerator was "
+            "created (creating transformers.TrainingArguments does that). Create the "
+            "TrainingArguments first, or pass them accelerator_config={'use_configured_state': True}"
+        )
 
 
 def _check_positive(label, value):

@@ -223,13 +223,6 @@ class TrainerCallbacks:
         self._event("on_epoch_begin")
         self._apply(loop)
 
-    @hookimpl
-    def before_step(self, loop):
-        # should_epoch_stop: the loop has no "end this epoch"; the rest of the
-        # epoch's batches are drawn and skipped, from an update boundary on
-        if self._skip_epoch and self._group_pos == 0:
-            loop.skip_batch()
-
     @hookimpl(tryfirst=True)
     def training_step(self, loop):
         # before the strategy (and only for batches that are trained)
@@ -454,7 +447,8 @@ class TrainerCallbacks:
         if control.should_training_stop and not loop.state.should_stop:
             loop.stop("a Trainer callback set control.should_training_stop")
         if control.should_epoch_stop:
-            self._skip_epoch = True
+            self._skip_epoch = True  # the epoch's fraction stays where training stopped
+            loop.end_epoch()  # at the next update boundary, as if the data had run out
 
     @contextlib.contextmanager
     def _objects_of(self, network):
@@ -474,7 +468,7 @@ class TrainerCallbacks:
         st = self.state
         st.global_step = loop.state.global_step
         if self._skip_epoch:
-            return  # the epoch ended where training stopped (its other batches are skipped)
+            return  # the epoch ended where training stopped (loop.end_epoch)
         length = self._batches_per_epoch
         st.epoch = loop.state.epoch + (loop.state.step_in_epoch / length if length else 0.0)
 
@@ -647,16 +641,9 @@ class TrainerCallbacks:
         self._apply(loop)
 
     def _save(self, loop, epoch_end):
-        """A checkpoint now, into the first Checkpoint plugin's directory.
-
-        ``hookloop.plugins.Checkpoint`` has no public "save now" (a
-        ``save(loop, reason=, epoch_end=)`` method is used once it has one);
-        this calls :func:`hookloop.checkpointing.save` as the plugin does (its
-        rotation included, unless it ranks by ``monitor``). The plugin does
-        not know of this save: it may save the same position again when the
-        fit ends."""
-        from .. import checkpointing
-
+        """A checkpoint now, by the first Checkpoint plugin
+        (:meth:`hookloop.plugins.Checkpoint.save`: its directory, rotation and
+        best-k ranking)."""
         if not self._checkpoints:
             self._warn_once(
                 "save",
@@ -667,15 +654,9 @@ class TrainerCallbacks:
             )
             self.control.should_save = False
             return None
-        plugin = self._checkpoints[0]
-        save_now = getattr(plugin, "save", None)  # a public "save now", once Checkpoint has one
-        if callable(save_now):
-            return save_now(loop, reason="trainer_callbacks", epoch_end=epoch_end)
-        # a plugin keeping the best (monitor=...) rotates with its ranking: no rotation here,
-        # which could delete one of its best; its next save rotates
-        keep_last = None if getattr(plugin, "monitor", None) is not None else plugin.keep_last
-        return checkpointing.save(loop, plugin.directory(loop), reason="trainer_callbacks",
-                                  epoch_end=epoch_end, keep_last=keep_last)
+        # as the plugin's own saves: its directory, rotation, best-k ranking, and
+        # no second save of this position at the fit's end
+        return self._checkpoints[0].save(loop, reason="trainer_callbacks", epoch_end=epoch_end)
 
     def _best_from_checkpoint_plugins(self):
         """A Checkpoint plugin that keeps the best checkpoints (``best``:

@@ -281,6 +281,14 @@ class Checkpoint:
 
     # -- work --------------------------------------------------------------------
 
+    def save(self, loop, reason: str = "requested", epoch_end: bool = False) -> Path:
+        """Save the loop's position now, as this plugin's own saves are made
+        (its directory, rotation and best-k ranking; not again at the same
+        position when the fit ends). Every process must call it, at an update
+        boundary. ``epoch_end``: from ``on_epoch_end`` of a whole epoch (the
+        position recorded is the next epoch's start)."""
+        return self._save(loop, reason, epoch_end=epoch_end)
+
     def _save(self, loop, reason, epoch_end=False, monitor=None) -> Path:
         position = loop.state.state_dict()
         if epoch_end:
