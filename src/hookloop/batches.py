@@ -56,3 +56,28 @@ def logits_of(outputs):
         "return a tensor, or an object with a `logits` attribute, or write a "
         "compute_loss plugin"
     )
+
+
+def length_of(obj) -> int | None:
+    """``len(obj)``, or None for no object or one without a length (an
+    iterable dataset, a generator)."""
+    if obj is None:
+        return None
+    try:
+        return len(obj)
+    except TypeError:
+        return None
+
+
+def loader_batch_size(data) -> int | None:
+    """The batch size a (prepared) dataloader was built with, looked up
+    through the batch samplers Accelerate wraps it in; None if unknown."""
+    obj = data
+    for _ in range(4):
+        if obj is None:
+            return None
+        size = getattr(obj, "batch_size", None)
+        if isinstance(size, int):
+            return size
+        obj = getattr(obj, "batch_sampler", None)
+    return None

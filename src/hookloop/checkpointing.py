@@ -78,6 +78,8 @@ import numpy as np
 import torch
 from accelerate.utils import OPTIMIZER_NAME, RNG_STATE_NAME, SAFE_WEIGHTS_NAME, SCHEDULER_NAME
 
+from .batches import length_of, loader_batch_size
+
 FORMAT = "hookloop-checkpoint"
 #: 2: run id, checksums, run settings, finiteness, optimizer classes, and a
 #: checksum of the manifest itself. Version 1 checkpoints (hookloop 0.1) still
@@ -651,9 +653,9 @@ def run_settings(loop) -> dict:
         # accumulation schedule), and a resume is compared before any fit starts
         "gradient_accumulation_steps": getattr(loop, "configured_accumulation",
                                                acc.gradient_accumulation_steps),
-        "batches_per_epoch": _length(data) if data is not None else None,
-        "batch_size": _batch_size(data),
-        "dataset_length": _length(getattr(data, "dataset", None)),
+        "batches_per_epoch": length_of(data),
+        "batch_size": loader_batch_size(data),
+        "dataset_length": length_of(getattr(data, "dataset", None)),
         "sampler": _sampler_name(data),
         "drop_last": getattr(data, "drop_last", None),
     }
@@ -661,27 +663,6 @@ def run_settings(loop) -> dict:
         value = getattr(config, key, None)
         out[key] = value if isinstance(value, (bool, int, str)) else None
     return out
-
-
-def _length(obj):
-    if obj is None:
-        return None
-    try:
-        return len(obj)
-    except TypeError:
-        return None
-
-
-def _batch_size(data):
-    obj = data
-    for _ in range(4):
-        if obj is None:
-            return None
-        size = getattr(obj, "batch_size", None)
-        if isinstance(size, int):
-            return size
-        obj = getattr(obj, "batch_sampler", None)
-    return None
 
 
 def _sampler_name(data):

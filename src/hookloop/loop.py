@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from . import checkpointing
 from . import manager as plugin_manager
 from .accelerate_fastpath import FastPath
+from .batches import length_of
 from .epoch_values import EpochValues
 from .errors import PluginLoadError, PluginValidationError
 from .network import Network
@@ -222,7 +223,7 @@ class Loop:
         state = self.state
         if state.max_steps is not None:
             return state.max_steps
-        per_epoch = _length(self.train_data)
+        per_epoch = length_of(self.train_data)
         if per_epoch is None or state.max_epochs is None:
             return None
         k = self._accumulation  # the last partial group of an epoch is one update too
@@ -320,7 +321,7 @@ class Loop:
         gradient_state = self.accelerator.gradient_state
         settings = gradient_state.plugin_kwargs  # holds gradient_accumulation_steps
         k = self._accumulation
-        length = _length(self.train_data)  # batches in a whole epoch, if known
+        length = length_of(self.train_data)  # batches in a whole epoch, if known
         for batch in batches:
             hook.before_step(loop=self, batch=batch)
             state.step_in_epoch += 1
@@ -889,13 +890,6 @@ def _check_state_of(accelerator):
 def _check_positive(label, value):
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ValueError(f"fit(): {label} must be a positive int or None, got {value!r}")
-
-
-def _length(data) -> int | None:
-    try:
-        return len(data)
-    except TypeError:
-        return None
 
 
 def _abandon(batches, accelerator, before):

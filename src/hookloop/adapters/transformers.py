@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from ..batches import length_of, loader_batch_size
 from ..markers import hookimpl
 
 
@@ -179,8 +180,8 @@ class TrainerCallbacks:
         self.callback_handler.eval_dataloader = data
         start = time.time()
         outputs = loop.predict(data)
-        n = _length(getattr(data, "dataset", None))
-        metrics = self._speed_metrics("test", start, num_samples=n, num_steps=_length(data))
+        n = length_of(getattr(data, "dataset", None))
+        metrics = self._speed_metrics("test", start, num_samples=n, num_steps=length_of(data))
         self._event("on_predict", metrics=metrics)
         return outputs
 
@@ -410,7 +411,7 @@ class TrainerCallbacks:
         st.global_step = loop.state.global_step
         total = loop.total_steps
         st.max_steps = total if total is not None else sys.maxsize  # epochs of unknown length
-        length = _length(loop.train_data)
+        length = length_of(loop.train_data)
         self._batches_per_epoch = length
         k = acc.gradient_accumulation_steps
         per_epoch = max(-(-length // k), 1) if length else None
@@ -420,7 +421,7 @@ class TrainerCallbacks:
             st.num_train_epochs = -(-st.max_steps // per_epoch)
         else:
             st.num_train_epochs = sys.maxsize
-        st.train_batch_size = _batch_size(loop.train_data)
+        st.train_batch_size = loader_batch_size(loop.train_data)
         st.is_local_process_zero = acc.is_local_main_process
         st.is_world_process_zero = acc.is_main_process
         st.compute_steps(self.args, st.max_steps)
@@ -785,8 +786,8 @@ def _default_args(loop):
         "logging_strategy": "steps",
         "logging_steps": every,
         "gradient_accumulation_steps": acc.gradient_accumulation_steps,
-        "per_device_train_batch_size": _batch_size(loop.train_data) or 8,
-        "per_device_eval_batch_size": _batch_size(loop.eval_data) or 8,
+        "per_device_train_batch_size": loader_batch_size(loop.train_data) or 8,
+        "per_device_eval_batch_size": loader_batch_size(loop.eval_data) or 8,
         "num_train_epochs": float(state.max_epochs or 1),
         "max_steps": state.max_steps or -1,
         "use_cpu": acc.device.type == "cpu",
@@ -841,25 +842,6 @@ def _plain_data(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_plain_data(v) for v in obj)
     return _number(obj)
-
-
-def _length(obj):
-    try:
-        return len(obj)
-    except TypeError:
-        return None
-
-
-def _batch_size(data):
-    obj = data
-    for _ in range(4):
-        if obj is None:
-            return None
-        size = getattr(obj, "batch_size", None)
-        if isinstance(size, int):
-            return size
-        obj = getattr(obj, "batch_sampler", None)
-    return None
 
 
 def _examples(batch) -> int:
