@@ -269,6 +269,7 @@ class GANLoss:
     """
 
     name = "loss"
+    changes_training = True
 
     @hookimpl(trylast=True)
     def compute_loss(self, network, outputs):

@@ -42,6 +42,7 @@ class EarlyStopping:
     """
 
     name = "early-stopping"
+    changes_training = True  # stops training (shown by `hookloop plugins`)
 
     def __init__(self, monitor: str = "eval_loss", mode: str = "min", patience: int = 3,
                  min_delta: float = 0.0):

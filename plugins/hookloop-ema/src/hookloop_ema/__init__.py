@@ -49,6 +49,7 @@ class EMA:
     """
 
     name = "ema"
+    changes_training = True  # evaluates (and can export) other weights
 
     def __init__(self, decay: float = 0.999, networks=None, evaluate: bool = True):
         if not (isinstance(decay, (int, float)) and 0.0 <= decay < 1.0):

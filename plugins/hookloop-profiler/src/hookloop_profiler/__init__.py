@@ -63,6 +63,7 @@ class Profiler:
     name = "profiler"
     #: only observes: acts as soon as it is installed (see hookloop's activation rule)
     autoload = True
+    changes_training = False  # measures only
 
     def __init__(self, print_table: bool = True, file=None):
         self.print_table = print_table

@@ -74,6 +74,7 @@ class WGANGP:
     """
 
     name = "wgan-gp"
+    changes_training = True  # the loss
 
     def __init__(self, weight: float = 10.0, center: float = 1.0, generator: bool = True):
         if not weight >= 0:
