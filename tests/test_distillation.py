@@ -160,7 +160,7 @@ def test_the_loss_formula():
 
 
 @pytest.mark.parametrize("networks,message", [
-    ({"teacher": "none"}, "trains the networks 'teacher', 'student'"),
+    ({"teacher": "none"}, "uses the networks 'teacher', 'student'"),
     ({"teacher": "opt", "student": "opt"}, r"never trains the teacher.*Network\(teacher, None\)"),
 ])
 def test_networks_that_do_not_fit_are_refused_at_construction(networks, message):

@@ -52,7 +52,7 @@ class Strategy:
         expected = set(self.network_names)
         if set(networks) != expected:
             raise ValueError(
-                f"the {self.name!r} strategy trains the networks "
+                f"the {self.name!r} strategy uses the networks "
                 f"{', '.join(map(repr, self.network_names))}; got {sorted(networks)}. "
                 "Pass Loop(networks={" + ", ".join(
                     f"{n!r}: Network(model, optimizer)" for n in self.network_names) + "}, ...)"
