@@ -5,7 +5,7 @@ tests/test_text_classification.py with
         text_two_processes.py REPORT.json --cpu --model DIR ...
 
 Everything after REPORT.json goes to the example's own command line. The
-example runs unchanged, plus one plugin that wraps ``eval_step`` to keep what
+example runs unchanged, plus one plugin that wraps ``after_eval_step`` to keep what
 the evaluation gathered. The main process writes REPORT.json: how many
 processes there were, whether both ranks ended with the same parameters, and
 what each evaluation counted, next to a one-process evaluation of the same
@@ -35,11 +35,13 @@ class GatheredEval:
         self.runs.append({"eval_loss": [], "eval_accuracy": []})
 
     @hookimpl(wrapper=True)
-    def eval_step(self):
-        values = yield
-        for key, run in self.runs[-1].items():
-            run.extend(values[key].tolist())
-        return values
+    def after_eval_step(self, loop):
+        results = yield  # what every metric plugin returned: the defaults' per-example values
+        if loop.state.stage == "eval":  # not the sanity check's batch
+            values = next(r for r in results if "eval_loss" in r)
+            for key, run in self.runs[-1].items():
+                run.extend(values[key].tolist())
+        return results
 
 
 def reference_eval(model, tokenizer, args):
