@@ -100,7 +100,7 @@ def test_an_exception_in_a_hookimpl_names_the_plugin_and_the_hook():
         loop.fit(epochs=1)
     assert type(info.value) is ValueError and str(info.value) == "gradient went sideways"
     assert info.value.__notes__ == [
-        "hookloop: raised in hook 'after_backward' of plugin 'Raising' (code)"
+        "hookloop: raised in hook 'after_backward' of plugin 'Raising' (code, plugins[0])"
     ]
     assert len(seen) == 1 and seen[0] is info.value
     assert loop.state.global_step == 2

@@ -133,7 +133,7 @@ def test_two_objects_with_one_name_name_their_sources():
 
     with pytest.raises(PluginValidationError) as info:
         tiny_loop([A("same"), A("same")])
-    assert "two plugins are named 'same': both from code" in str(info.value)
+    assert "two plugins are named 'same': one from code, plugins[1], one from code, plugins[0]" in str(info.value)
 
 
 # -- names from Lightning and the Hugging Face Trainer --------------------------------------
@@ -296,13 +296,11 @@ def test_an_eval_step_returning_nothing_names_the_strategy_before_training():
     assert trained == []
 
 
-@pytest.mark.xfail(strict=True, reason="needs DefaultMetrics to name the eval_step plugin (report)")
 def test_an_unusable_eval_step_result_names_the_plugin_that_returned_it():
     exc, _ = _fit_with(ListEval())
     assert "ListEval" in str(exc) and "eval_step" in str(exc)
 
 
-@pytest.mark.xfail(strict=True, reason="needs loop.py to label user-given plugins plugins[i] (report)")
 def test_a_name_the_user_gave_twice_says_where_in_the_plugins_list():
     with pytest.raises(PluginValidationError) as info:
         tiny_loop([("gradclip", {"name": "x", "max_norm": 1.0}), ("logger", {"name": "x"})])

@@ -264,7 +264,7 @@ def test_an_out_of_memory_error_reaches_the_caller_as_itself(tiny_loop):
 
     with pytest.raises(torch.OutOfMemoryError) as info:
         tiny_loop([OOM()]).fit(epochs=1)
-    assert info.value.__notes__ == ["hookloop: raised in hook 'after_backward' of plugin 'OOM' (code)"]
+    assert info.value.__notes__ == ["hookloop: raised in hook 'after_backward' of plugin 'OOM' (code, plugins[0])"]
 
 
 def test_find_executable_batch_size_retries_a_fit_that_ran_out_of_memory():

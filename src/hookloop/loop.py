@@ -641,7 +641,7 @@ class Loop:
             )
         installed = None
         user = []
-        for item in given:
+        for i, item in enumerate(given):
             if isinstance(item, (str, tuple)):
                 if installed is None:
                     installed = {i.name: i for i in plugin_manager.discover()}
@@ -649,7 +649,7 @@ class Loop:
             else:
                 plugin, source, explicit = item, "code", _explicit_name(item)
                 base = plugin_manager.plugin_name(item)
-            user.append((plugin, explicit, base, source))
+            user.append((plugin, explicit, base, f"{source}, plugins[{i}]"))
         user = _name_instances(user)
         user_names = {name for _, name, _ in user}
         if installed is None and not os.environ.get(plugin_manager.ENV_DISABLE_AUTOLOAD):

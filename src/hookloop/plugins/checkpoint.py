@@ -81,6 +81,7 @@ class Checkpoint:
     """
 
     name = "checkpoint"
+    changes_training = False
 
     def __init__(self, every_steps=None, every_epoch=True, keep_last=_DEFAULT, dir=None,
                  on_exception=False, signals=DEFAULT_SIGNALS, signal_check_every=10,

@@ -55,6 +55,7 @@ class FiniteCheck:
     """
 
     name = "finite"
+    changes_training = True  # it stops training (or, with action="skip", drops updates)
 
     def __init__(self, every=None, action="raise"):
         if action not in ("raise", "skip"):

@@ -27,6 +27,7 @@ class Logger:
     """
 
     name = "logger"
+    changes_training = False
 
     def __init__(self, every=50, console=True, project_name="hookloop", config=None):
         if not isinstance(every, int) or every < 1:

@@ -27,6 +27,7 @@ class DefaultMetrics:
     """
 
     name = "metrics"
+    changes_training = False
 
     @hookimpl(trylast=True)
     def after_eval_step(self, loop, batch, outputs):
@@ -42,6 +43,18 @@ class DefaultMetrics:
             return {"eval_loss": gather(loss.detach().float().reshape(1).repeat(n))}
         if fit:  # one target per position (token classification), no loss from the model
             return dict(zip(("eval_loss", "eval_accuracy"), gather(_per_example(logits, targets))))
+        if logits is None:  # not a model's outputs: name who returned them
+            from ..strategies.base import returning_plugin
+
+            who = returning_plugin(loop, "eval_step", loop=loop, batch=batch)
+            exc = TypeError(
+                f"eval_step returned {type(outputs).__name__}" + (f" (plugin {who!r})" if who else "")
+                + ": the default metrics need the model's outputs (logits, .logits or .loss); return "
+                "those from eval_step, or block=['metrics'] and compute metrics in after_eval_step"
+            )
+            if who:
+                exc.hookloop_culprit = (who, "eval_step")
+            raise exc
         what = "no targets" if targets is None else (
             f"targets of shape {tuple(targets.shape)} that do not fit logits of shape "
             f"{tuple(logits.shape) if logits is not None else '?'}")

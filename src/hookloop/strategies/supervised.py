@@ -19,6 +19,7 @@ class Supervised:
     """
 
     name = "supervised"
+    changes_training = True
     network_names = ("model",)
 
     def default_plugins(self):
