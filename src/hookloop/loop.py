@@ -61,8 +61,8 @@ class Loop:
     :param prepare: pass the models, optimizers, schedulers and dataloaders
         through ``accelerator.prepare`` (set False if you prepared them).
     :param resume_from: restore a checkpoint now (see :meth:`load_checkpoint`):
-        ``"latest"`` (nothing saved yet: start from scratch), a checkpoint
-        directory, or a checkpoint root (its latest).
+        ``"latest"`` (nothing saved yet: start from scratch), ``"best"``, a
+        checkpoint directory, or a checkpoint root (its latest).
     """
 
     def __init__(
