@@ -149,7 +149,7 @@ def test_the_logger_logs_every_param_group(tmp_path):
 def test_two_loggers_write_at_their_own_intervals(tiny_loop, tmp_path):
     loop = tiny_loop([Logger(every=8, console=False), Logger(every=2, console=False)],
                      accelerator=jsonl(tmp_path))
-    assert loop.plugins.names()[:2] == ["logger", "logger-2"] or {"logger", "logger-2"} <= set(loop.plugins.names())
+    assert {"logger", "logger-2"} <= set(loop.plugins.names())
     loop.fit(epochs=1)
     steps = [r["step"] for r in records(tmp_path / "run.jsonl") if "loss" in r]
     assert steps == [2, 4, 6, 8, 8]  # every 2 updates, and every 8

@@ -158,13 +158,13 @@ def test_evaluate_takes_any_dataloader_and_prepares_it(tiny_loop):
     x, y = torch.randn(10, 8), torch.randint(0, 3, (10,))
     metrics = loop.evaluate(DataLoader(TensorDataset(x, y), batch_size=4))
     model = loop.networks["model"].unwrapped
+    assert model.training and loop.state.stage is None  # train mode and stage restored
     model.eval()
     with torch.no_grad():
         logits = model(x)
     assert metrics["eval_loss"] == pytest.approx(
         torch.nn.functional.cross_entropy(logits, y).item(), abs=1e-6)
     assert metrics["eval_accuracy"] == pytest.approx((logits.argmax(-1) == y).float().mean().item())
-    assert model.training is False or loop.state.stage is None
 
 
 def test_predict_returns_every_output_in_data_order_and_restores_the_mode(tiny_loop):

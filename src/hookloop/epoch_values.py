@@ -46,12 +46,10 @@ class EpochValues:
                 )
             if reduce in ("mean", "sum"):
                 entry[1] = entry[1] + part
-            elif reduce == "max":
-                entry[1] = torch.maximum(torch.as_tensor(entry[1]), torch.as_tensor(part)) \
-                    if isinstance(entry[1], torch.Tensor) or isinstance(part, torch.Tensor) else max(entry[1], part)
-            else:
-                entry[1] = torch.minimum(torch.as_tensor(entry[1]), torch.as_tensor(part)) \
-                    if isinstance(entry[1], torch.Tensor) or isinstance(part, torch.Tensor) else min(entry[1], part)
+            else:  # a 0-d CPU tensor combines with one on any device
+                pick = torch.maximum if reduce == "max" else torch.minimum
+                entry[1] = pick(torch.as_tensor(entry[1], dtype=torch.float64),
+                                torch.as_tensor(part, dtype=torch.float64))
             entry[2] += count
 
     def __bool__(self) -> bool:

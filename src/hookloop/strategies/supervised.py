@@ -4,10 +4,10 @@ from ..batches import forward
 from ..markers import hookimpl
 from ..plugins.loss import DefaultLoss
 from ..plugins.metrics import DefaultMetrics
-from .base import StepOutput, loss_and_backward, update
+from .base import StepOutput, Strategy, loss_and_backward, update
 
 
-class Supervised:
+class Supervised(Strategy):
     """One network, ``loop.networks["model"]``: forward, ``compute_loss``,
     ``accelerator.backward``, then optimizer, scheduler and ``zero_grad``,
     inside ``accelerator.accumulate`` when gradient accumulation is on.
@@ -19,7 +19,6 @@ class Supervised:
     """
 
     name = "supervised"
-    changes_training = True
     network_names = ("model",)
 
     def default_plugins(self):
