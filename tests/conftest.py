@@ -1,6 +1,15 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# tests/ (paths.py, handwritten.py) and tests/scripts/ (the multi-process
+# scripts' shared modules) import from any folder of tests/
+_HERE = Path(__file__).resolve().parent
+for _path in (_HERE, _HERE / "scripts"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 # No test may reach a model hub, nor pick up a plugin installed on the machine.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

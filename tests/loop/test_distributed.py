@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from paths import ROOT, SCRIPTS  # noqa: F401
 
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = SCRIPTS
 
 
 def launch_two(script, *args, timeout=300):

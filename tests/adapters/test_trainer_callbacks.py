@@ -35,8 +35,9 @@ from hookloop import Loop  # noqa: E402
 from hookloop.adapters.transformers import TrainerCallbacks  # noqa: E402
 from hookloop.plugins import BUILTINS, Checkpoint, GradClip, Logger  # noqa: E402
 from hookloop.testing import reset_accelerate, tiny_gan_loop, tiny_loop  # noqa: E402
+from paths import ROOT, SCRIPTS  # noqa: F401
 
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = SCRIPTS
 
 
 @pytest.fixture(autouse=True)

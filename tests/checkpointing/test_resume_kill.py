@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import runner  # noqa: E402
+import runner
 
 SUPERVISED = ("--strategy", "supervised", "--accum", "2", "--epochs", "3", "--every-steps", "3")
 GAN = ("--strategy", "gan", "--accum", "1", "--epochs", "2", "--every-steps", "3")

@@ -16,8 +16,7 @@ from hookloop.plugins import Checkpoint
 from hookloop.preemption import PREEMPTED_EXIT_CODE, Preempted
 from hookloop.testing import HookRecorder
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import runner  # noqa: E402
+import runner
 
 ARGS = ("--strategy", "supervised", "--accum", "2", "--epochs", "3", "--every-steps", "3")
 

@@ -8,8 +8,9 @@ import pytest
 
 from hookloop import hookspecs
 from hookloop.manager import hook_names
+from paths import ROOT, SCRIPTS  # noqa: F401
 
-README = (Path(__file__).parent.parent / "README.md").read_text()
+README = (ROOT / "README.md").read_text()
 
 
 @pytest.mark.parametrize("hook", hook_names())
@@ -41,7 +42,7 @@ def test_the_architecture_names_are_kept():
 
 # -- the plugin-writing guide, docs/plugins.md ---------------------------------
 
-GUIDE_PATH = Path(__file__).parent.parent / "docs" / "plugins.md"
+GUIDE_PATH = ROOT / "docs" / "plugins.md"
 
 
 def _docs_hooks():

@@ -22,8 +22,9 @@ from hookloop import Loop, Network, hookimpl
 from hookloop.plugins import GradClip
 from hookloop.strategies import GAN
 from hookloop.testing import HookRecorder
+from paths import ROOT, SCRIPTS  # noqa: F401
 
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = SCRIPTS
 LATENT = 8
 
 

@@ -2,8 +2,9 @@
 
 import re
 from pathlib import Path
+from paths import ROOT, SCRIPTS  # noqa: F401
 
-README = Path(__file__).parent.parent / "README.md"
+README = ROOT / "README.md"
 
 
 def guide_blocks():

@@ -24,8 +24,8 @@ from hookloop.plugins import (
 )
 from hookloop.testing import parameters, registered, tiny_gan_loop
 from hookloop.trackers import JSONLinesTracker
+from paths import ROOT, SCRIPTS  # noqa: F401
 
-ROOT = Path(__file__).parent.parent
 GUIDE = ROOT / "docs" / "plugins.md"
 
 

@@ -21,9 +21,10 @@ from handwritten import train_by_hand
 from hookloop import Loop, hookimpl
 from hookloop import accelerate_fastpath as fastpath
 from hookloop.testing import reset_accelerate
+from paths import ROOT, SCRIPTS  # noqa: F401
 
 EPOCHS = 2
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = SCRIPTS
 
 
 def job():

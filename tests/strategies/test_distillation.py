@@ -18,8 +18,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from hookloop import Loop, Network, hookimpl
 from hookloop.strategies import Distillation, DistillationLoss, distillation_loss
 from hookloop.testing import parameters, reset_accelerate
+from paths import ROOT, SCRIPTS  # noqa: F401
 
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = SCRIPTS
 
 
 def mlp(hidden, dropout=0.1):

@@ -13,9 +13,9 @@ import torch
 
 from hookloop.examples import text_classification as tc
 from hookloop.testing import reset_accelerate
+from paths import ROOT, SCRIPTS  # noqa: F401
 
-HERE = os.path.dirname(__file__)
-TWO_PROCESSES = os.path.join(HERE, "scripts", "text_two_processes.py")
+TWO_PROCESSES = str(SCRIPTS / "text_two_processes.py")
 
 
 @pytest.fixture(scope="module")

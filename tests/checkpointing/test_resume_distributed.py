@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import runner  # noqa: E402
+import runner
 
 # 64 examples, batch 8, two ranks: 4 batches an epoch, accumulation 2: 2 updates an epoch
 ARGS = ("--strategy", "supervised", "--accum", "2", "--epochs", "4", "--every-steps", "3",

@@ -26,6 +26,7 @@ from hookloop.checkpointing import CheckpointError, read_manifest
 from hookloop.plugins import Checkpoint, GradClip
 from hookloop.preemption import PREEMPTED_EXIT_CODE, Preempted
 from hookloop.testing import reset_accelerate, tiny_loop
+from paths import ROOT, SCRIPTS  # noqa: F401
 
 
 def make(root, *plugins, resume_from=None, every_steps=2, keep_last=3, accum=1, **kwargs):
@@ -255,7 +256,7 @@ def test_trusted_by_name_a_pickle_loads_and_plain_data_needs_no_trust(tmp_path):
 
 
 def test_the_readme_says_what_is_true_of_pickles():
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     assert "register_for_checkpointing" in readme and "trust_pickles" in readme
 
 
@@ -608,7 +609,6 @@ def test_a_process_sent_sigterm_during_its_final_save_exits_75(tmp_path):
     import sys
     import time
 
-    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
     import runner
 
     args = ("--strategy", "supervised", "--accum", "2", "--epochs", "3", "--every-steps", "3")

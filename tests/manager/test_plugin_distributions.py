@@ -28,13 +28,13 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+from paths import ROOT, SCRIPTS  # noqa: F401
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "scripts" / "plugin_checks.py"
 PLUGIN_DIRS = sorted((ROOT / "plugins").glob("hookloop-*"))
 #: entry-point name -> (distribution, version, object) read from each pyproject.toml
