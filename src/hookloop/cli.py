@@ -110,19 +110,19 @@ def instance_rows(given) -> list[dict]:
     names (``"logger"``, or ``'logger={"every": 2}'`` with options as JSON):
     each instance's name (``logger``, ``logger-2``; an option ``name`` names
     it), in call order."""
-    from . import loop as loop_module
+    from .plugins import BUILTINS
 
     installed = {i.name: i for i in plugin_manager.discover()}
     entries = []
     for spec in given:
         name, _, options = spec.partition("=")
         item = (name, json.loads(options)) if options else name
-        plugin, source, explicit, base = loop_module._resolve_named(item, installed)
+        plugin, source, explicit, base = plugin_manager.resolve_named(item, installed, BUILTINS)
         entries.append((plugin, explicit, base, source))
     return [
         {"name": name, "given": spec, "object": f"{type(p).__module__}.{type(p).__qualname__}",
          "source": source, "hooks": plugin_manager.implemented_hooks(p)}
-        for spec, (p, name, source) in zip(given, loop_module._name_instances(entries))
+        for spec, (p, name, source) in zip(given, plugin_manager.name_instances(entries))
     ]
 
 

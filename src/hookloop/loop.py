@@ -9,8 +9,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
-import inspect
-import os
 import sys
 import weakref
 from collections.abc import Mapping, Sequence
@@ -26,7 +24,6 @@ from . import manager as plugin_manager
 from .accelerate_fastpath import FastPath
 from .batches import length_of
 from .epoch_values import EpochValues
-from .errors import PluginLoadError, PluginValidationError
 from .network import Network
 from .plugins import BUILTINS, FiniteCheck, ProgressBar
 from .state import LoopState
@@ -94,7 +91,10 @@ class Loop:
         self.eval_data = eval_data
         self.state = LoopState()
         self.plugins = plugin_manager.PluginManager()
-        self._register_plugins(list(plugins), block)
+        self.plugins.register_all(
+            list(plugins), strategy=self.strategy, builtins=BUILTINS, block=block,
+            defaults=[*self.strategy.default_plugins(), ProgressBar(), FiniteCheck()],
+        )
         self._prepare_data = prepare
         self._prepared = weakref.WeakKeyDictionary()  # DataLoader -> prepared, for evaluate/predict
         if prepare:
@@ -630,46 +630,6 @@ class Loop:
 
     # -- set-up -------------------------------------------------------------
 
-    def _register_plugins(self, given, block):
-        """Register built-ins, switched-on installed plugins and the plugins
-        given in code, so that calls go: given (in order), installed,
-        built-in. pluggy calls the last registered first, hence reversed."""
-        blocked = plugin_manager.blocked_names(block)
-        if self.strategy.name in blocked:
-            raise PluginValidationError(
-                self.strategy, f"the strategy {self.strategy.name!r} cannot be blocked"
-            )
-        installed = None
-        user = []
-        for i, item in enumerate(given):
-            if isinstance(item, (str, tuple)):
-                if installed is None:
-                    installed = {i.name: i for i in plugin_manager.discover()}
-                plugin, source, explicit, base = _resolve_named(item, installed)
-            else:
-                plugin, source, explicit = item, "code", _explicit_name(item)
-                base = plugin_manager.plugin_name(item)
-            user.append((plugin, explicit, base, f"{source}, plugins[{i}]"))
-        user = _name_instances(user)
-        user_names = {name for _, name, _ in user}
-        if installed is None and not os.environ.get(plugin_manager.ENV_DISABLE_AUTOLOAD):
-            installed = {i.name: i for i in plugin_manager.discover()}
-        auto = []
-        for item in (installed or {}).values():
-            if item.name in user_names or not plugin_manager.autoload_considered(item.name, block):
-                continue
-            if item.error is not None:  # one broken distribution does not stop the others
-                plugin_manager.warn_broken(item)
-            elif plugin_manager.autoload_decision(item, block)[0]:
-                auto.append((item.instantiate(), item.name, item.describe()))
-        defaults = [self.strategy, *self.strategy.default_plugins(), ProgressBar(), FiniteCheck()]
-        builtin = [(p, plugin_manager.plugin_name(p), "built-in") for p in defaults]
-        builtin = [b for b in builtin if b[1] not in user_names or b[0] is self.strategy]
-        for plugin, name, source in [*builtin, *reversed(auto), *reversed(user)]:
-            if name in blocked:
-                continue
-            self.plugins.register(plugin, name, source)
-
     def _prepare(self, frozen):
         for name in frozen:  # evaluation_mode: no DDP wrapper, nothing to synchronise
             network = self.networks[name]
@@ -753,79 +713,6 @@ def _networks(model, optimizer, scheduler, networks, strategy) -> dict[str, Netw
                 "it (only a strategy's frozen_networks may have none)"
             )
     return out
-
-
-def _explicit_name(plugin) -> str | None:
-    """The name a plugin object was given itself (an instance attribute
-    ``name``, a module's name), or None: then it is named after its class,
-    and several instances are told apart by number."""
-    if inspect.ismodule(plugin):
-        return plugin.__name__
-    name = vars(plugin).get("name") if hasattr(plugin, "__dict__") else None
-    return name if isinstance(name, str) and name else None
-
-
-def _name_instances(entries):
-    """``(plugin, explicit name or None, base name, source)`` ->
-    ``(plugin, name, source)``.
-
-    Explicit names are kept (two alike are an error at registration, naming
-    both). A plugin without one takes its class's name (``Logger``:
-    ``"logger"``); the next instance of that name becomes ``"logger-2"``,
-    then ``"logger-3"``: deterministic, so the same script gives the same
-    names and a checkpoint's plugin states find their plugins again."""
-    taken = {explicit for _, explicit, _, _ in entries if explicit is not None}
-    out = []
-    for plugin, explicit, base, source in entries:
-        name = explicit
-        if name is None:
-            name, n = base, 1
-            while name in taken:
-                n += 1
-                name = f"{base}-{n}"
-            taken.add(name)
-        out.append((plugin, name, source))
-    return out
-
-
-def _resolve_named(item, installed):
-    """A plugin given by name: ``(plugin, source, explicit name or None,
-    base name)``.
-    ``("logger", {"name": "fast", "every": 2})``: the option ``name`` names
-    the instance (and is passed on only to a class that takes ``name``)."""
-    name, options = (item, None) if isinstance(item, str) else item
-    if not isinstance(name, str) or (options is not None and not isinstance(options, Mapping)):
-        raise PluginValidationError(
-            item, f"plugin given as {item!r}: expected 'name' or ('name', {{options}})"
-        )
-    options = dict(options or {})
-    given = options.get("name")
-    if given is not None and not (isinstance(given, str) and given):
-        raise PluginValidationError(item, f"plugin {name!r}: option 'name' must be a non-empty str, got {given!r}")
-    if name in BUILTINS:
-        cls = BUILTINS[name]
-        if given is not None and "name" not in inspect.signature(cls).parameters:
-            del options["name"]
-        try:
-            plugin = cls(**options)
-        except TypeError as exc:
-            raise PluginValidationError(
-                item, f"built-in plugin {name!r} cannot be created with {options}: {exc}"
-            ) from exc
-        return plugin, "built-in", given, plugin_manager.plugin_name(plugin)
-    if name in installed:
-        entry = installed[name]
-        if given is not None and not (inspect.isclass(entry.obj)
-                                      and "name" in inspect.signature(entry.obj).parameters):
-            del options["name"]
-        plugin = entry.instantiate(options or None)
-        # numbered after the entry-point name, the one users see
-        return plugin, entry.describe(), given or _explicit_name(plugin), name
-    known = sorted(set(BUILTINS) | set(installed))
-    raise PluginLoadError(
-        f"no plugin named {name!r}: not built in and not installed "
-        f"(entry-point group 'hookloop'). Known: {', '.join(known)}"
-    )
 
 
 def _check_run_length(epochs, max_steps):

@@ -30,6 +30,7 @@ import inspect
 import os
 import sys
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 
@@ -531,6 +532,51 @@ class PluginManager:
         self._order_trylast()
         self.refresh()
 
+    def register_all(self, given, *, strategy, defaults, builtins, block=()) -> None:
+        """Register a loop's plugins so that calls go: ``given`` (in order),
+        switched-on installed plugins, then the built-ins (``strategy``
+        first, then its ``defaults``). pluggy calls the last registered
+        first, hence the reversed registration.
+
+        :param given: ``Loop(plugins=[...])``: objects, names of built-in or
+            installed plugins, ``(name, {options})`` pairs.
+        :param builtins: the built-in plugins by name (``"logger"`` ->
+            class), for plugins given by name.
+        :param block: names never to register (with ``HOOKLOOP_BLOCK_PLUGINS``).
+        """
+        blocked = blocked_names(block)
+        if strategy.name in blocked:
+            raise PluginValidationError(strategy, f"the strategy {strategy.name!r} cannot be blocked")
+        installed = None
+        user = []
+        for i, item in enumerate(given):
+            if isinstance(item, (str, tuple)):
+                if installed is None:
+                    installed = {i.name: i for i in discover()}
+                plugin, source, explicit, base = resolve_named(item, installed, builtins)
+            else:
+                plugin, source, explicit = item, "code", explicit_name(item)
+                base = plugin_name(item)
+            user.append((plugin, explicit, base, f"{source}, plugins[{i}]"))
+        user = name_instances(user)
+        user_names = {name for _, name, _ in user}
+        if installed is None and not os.environ.get(ENV_DISABLE_AUTOLOAD):
+            installed = {i.name: i for i in discover()}
+        auto = []
+        for item in (installed or {}).values():
+            if item.name in user_names or not autoload_considered(item.name, block):
+                continue
+            if item.error is not None:  # one broken distribution does not stop the others
+                warn_broken(item)
+            elif autoload_decision(item, block)[0]:
+                auto.append((item.instantiate(), item.name, item.describe()))
+        builtin = [(p, plugin_name(p), "built-in") for p in [strategy, *defaults]]
+        builtin = [b for b in builtin if b[1] not in user_names or b[0] is strategy]
+        for plugin, name, source in [*builtin, *reversed(auto), *reversed(user)]:
+            if name in blocked:
+                continue
+            self.register(plugin, name, source)
+
     def unregister(self, name: str) -> None:
         self.pm.unregister(name=name)
         self.sources.pop(name, None)
@@ -618,6 +664,84 @@ class PluginManager:
             pass
 
         self.add_hookcall_monitoring(before, after)
+
+
+# ---------------------------------------------------------------------------
+# naming: which name each plugin of a loop is registered under
+# ---------------------------------------------------------------------------
+
+
+def explicit_name(plugin) -> str | None:
+    """The name a plugin object was given itself (an instance attribute
+    ``name``, a module's name), or None: then it is named after its class,
+    and several instances are told apart by number."""
+    if inspect.ismodule(plugin):
+        return plugin.__name__
+    name = vars(plugin).get("name") if hasattr(plugin, "__dict__") else None
+    return name if isinstance(name, str) and name else None
+
+
+def name_instances(entries):
+    """``(plugin, explicit name or None, base name, source)`` ->
+    ``(plugin, name, source)``.
+
+    Explicit names are kept (two alike are an error at registration, naming
+    both). A plugin without one takes its class's name (``Logger``:
+    ``"logger"``); the next instance of that name becomes ``"logger-2"``,
+    then ``"logger-3"``: deterministic, so the same script gives the same
+    names and a checkpoint's plugin states find their plugins again."""
+    taken = {explicit for _, explicit, _, _ in entries if explicit is not None}
+    out = []
+    for plugin, explicit, base, source in entries:
+        name = explicit
+        if name is None:
+            name, n = base, 1
+            while name in taken:
+                n += 1
+                name = f"{base}-{n}"
+            taken.add(name)
+        out.append((plugin, name, source))
+    return out
+
+
+def resolve_named(item, installed, builtins):
+    """A plugin given by name (a built-in of ``builtins``, name -> class, or
+    an installed one): ``(plugin, source, explicit name or None, base name)``.
+    ``("logger", {"name": "fast", "every": 2})``: the option ``name`` names
+    the instance (and is passed on only to a class that takes ``name``)."""
+    name, options = (item, None) if isinstance(item, str) else item
+    if not isinstance(name, str) or (options is not None and not isinstance(options, Mapping)):
+        raise PluginValidationError(
+            item, f"plugin given as {item!r}: expected 'name' or ('name', {{options}})"
+        )
+    options = dict(options or {})
+    given = options.get("name")
+    if given is not None and not (isinstance(given, str) and given):
+        raise PluginValidationError(item, f"plugin {name!r}: option 'name' must be a non-empty str, got {given!r}")
+    if name in builtins:
+        cls = builtins[name]
+        if given is not None and "name" not in inspect.signature(cls).parameters:
+            del options["name"]
+        try:
+            plugin = cls(**options)
+        except TypeError as exc:
+            raise PluginValidationError(
+                item, f"built-in plugin {name!r} cannot be created with {options}: {exc}"
+            ) from exc
+        return plugin, "built-in", given, plugin_name(plugin)
+    if name in installed:
+        entry = installed[name]
+        if given is not None and not (inspect.isclass(entry.obj)
+                                      and "name" in inspect.signature(entry.obj).parameters):
+            del options["name"]
+        plugin = entry.instantiate(options or None)
+        # numbered after the entry-point name, the one users see
+        return plugin, entry.describe(), given or explicit_name(plugin), name
+    known = sorted(set(builtins) | set(installed))
+    raise PluginLoadError(
+        f"no plugin named {name!r}: not built in and not installed "
+        f"(entry-point group 'hookloop'). Known: {', '.join(known)}"
+    )
 
 
 def warn_broken(item: Installed) -> None:
