@@ -205,7 +205,7 @@ def test_the_same_events_as_the_trainer(tmp_path, config):
     assert adapter.state.global_step == loop.state.global_step
     assert [e for e in adapter.state.log_history if "eval_loss" in e]
     # every on_save is a hookloop checkpoint
-    assert all(Path(p).is_dir() for p in adapter._saved_at.values())
+    assert all(Path(p).is_dir() for p in adapter._saves.saved_at.values())
 
 
 def test_early_stopping_stops_at_the_same_step_as_the_trainer(tmp_path):

@@ -1,0 +1,48 @@
+"""Small value conversions the adapter's modules share: an enum option as
+its string, a log key with its network or loss name, a number as a Python
+number, the examples in a batch."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+
+def value(option):
+    """An enum option (``SaveStrategy.EPOCH``) as its string."""
+    return getattr(option, "value", option)
+
+
+def named(base, key):
+    return base if key is None else f"{base}/{key}"
+
+
+def number(value):
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    try:
+        import numpy as np
+
+        if isinstance(value, np.generic):
+            return value.item()
+    except ImportError:  # pragma: no cover
+        pass
+    return value
+
+
+def examples(batch) -> int:
+    """Examples in a batch: the first dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.ndim else 1
+    if isinstance(batch, Mapping):
+        values = batch.values()
+    elif isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
+        values = batch
+    else:
+        return 0
+    for value in values:
+        n = examples(value) if isinstance(value, (torch.Tensor, Mapping, Sequence)) else 0
+        if n:
+            return n
+    return 0
