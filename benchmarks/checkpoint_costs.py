@@ -55,6 +55,7 @@ def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
 
     from hookloop import Loop, checkpointing
+    from hookloop.checkpointing import finite, manifest
     from hookloop.examples.text_classification import minilm_path
 
     hf_logging.set_verbosity_error()
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
     loop = Loop(model=model, optimizer=optimizer, train_data=data, plugins=[Batches()],
                 accelerator=Accelerator(cpu=True), block=["progress"])
     loop.fit(max_steps=1)
-    items = list(checkpointing._state_tensors(loop))
+    items = list(finite.state_tensors(loop))
     tensors = [t for *_, t in items]
     floats = sum(t.numel() for t in tensors)
     rows = []
@@ -111,22 +112,22 @@ def main(argv=None) -> int:
         files = [p for p in path.iterdir() if p.is_file()]
         size = sum(p.stat().st_size for p in files)
         row("CRC-32 of every file (memory map; at save and at load)",
-            median_ms(lambda: [checkpointing._crc32_file(p) for p in files], args.repeat),
+            median_ms(lambda: [manifest.crc32_file(p) for p in files], args.repeat),
             f"{size / 1e6:.0f} MB")
         row("save, all checks (checkpointing.save, fsync included)", median_ms(save, args.repeat))
-        crc, refuse = checkpointing._crc32_file, checkpointing._refuse_nonfinite
-        checkpointing._crc32_file = lambda p: 0
-        checkpointing._refuse_nonfinite = lambda *a: None
+        crc, refuse = manifest.crc32_file, finite.refuse_nonfinite
+        manifest.crc32_file = lambda p: 0
+        finite.refuse_nonfinite = lambda *a: None
         try:
             row("save without the CRC and finiteness checks", median_ms(save, args.repeat))
         finally:
-            checkpointing._crc32_file, checkpointing._refuse_nonfinite = crc, refuse
+            manifest.crc32_file, finite.refuse_nonfinite = crc, refuse
 
         path = save()
         doc = checkpointing.read_manifest(path)
         staged = checkpointing.stage(path, doc, 0)
         row("  finiteness of the staged weights and Adam state",
-            median_ms(lambda: checkpointing._check_staged_finite(staged.models, staged.optimizers, doc, ""),
+            median_ms(lambda: finite.check_staged_finite(staged.models, staged.optimizers, doc, ""),
                       args.repeat))
         row("stage: read + CRC-32 + deserialise + RNG + finiteness",
             median_ms(lambda: checkpointing.stage(path, doc, 0), args.repeat))

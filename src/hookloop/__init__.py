@@ -4,14 +4,13 @@ pluggy hook.
     from hookloop import Loop, Network, hookimpl
 """
 
+from ._version import __version__ as __version__
 from .errors import PluginLoadError, PluginValidationError
 from .loop import Loop
 from .markers import hookimpl, hookspec
 from .network import Network
 from .state import LoopState
 from .strategies import StepOutput
-
-__version__ = "0.2.0"
 
 __all__ = [
     "Loop",

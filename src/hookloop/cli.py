@@ -16,7 +16,8 @@ import json
 import re
 import sys
 
-from . import __version__, hookspecs
+from . import hookspecs
+from ._version import __version__
 from . import manager as plugin_manager
 
 #: demo name -> module under hookloop.examples with a ``main(argv)`` function

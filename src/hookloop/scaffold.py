@@ -21,7 +21,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from . import __version__
+from ._version import __version__
 
 #: lower-case words joined by single hyphens: a valid entry-point, distribution
 #: and (with underscores) module name

@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hookloop import Loop, hookimpl
 from hookloop import checkpointing
-from hookloop.checkpointing import CheckpointError, read_manifest
+from hookloop.checkpointing import CheckpointError, codec, read_manifest, saving
+from hookloop.checkpointing.manifest import manifest_crc
 from hookloop.plugins import Checkpoint, GradClip
 from hookloop.preemption import PREEMPTED_EXIT_CODE, Preempted
 from hookloop.testing import reset_accelerate, tiny_loop
@@ -82,7 +83,7 @@ def rewrite(ckpt, rel, data: bytes):
     doc["files"][rel] = len(data)
     if "crc32" in doc:
         doc["crc32"][rel] = zlib.crc32(data)
-        doc["manifest_crc32"] = checkpointing._manifest_crc(doc)
+        doc["manifest_crc32"] = manifest_crc(doc)
     (ckpt / "hookloop.json").write_text(json.dumps(doc))
 
 
@@ -389,14 +390,14 @@ def test_a_sigterm_during_the_final_save_ends_with_status_75(tmp_path, monkeypat
     handed_on = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: handed_on.append(signum))
     try:
-        publish = checkpointing._publish
+        publish = saving.publish
 
         def publish_and_get_signalled(tmp, final):
             if final.name == "step-00000003":
                 os.kill(os.getpid(), signal.SIGTERM)
             return publish(tmp, final)
 
-        monkeypatch.setattr(checkpointing, "_publish", publish_and_get_signalled)
+        monkeypatch.setattr(saving, "publish", publish_and_get_signalled)
         loop = tiny_loop([Checkpoint(dir=tmp_path, every_steps=2)])
         with pytest.raises(Preempted) as info:
             loop.fit(max_steps=3)
@@ -513,7 +514,7 @@ def test_enospc_from_a_write_says_no_space_left_on_the_directory(tmp_path, monke
     def write_on_a_full_disk(file, loop):
         raise OSError(errno.ENOSPC, "No space left on device", str(file))
 
-    monkeypatch.setattr(checkpointing, "_write_rank_file", write_on_a_full_disk)
+    monkeypatch.setattr(codec, "write_rank_file", write_on_a_full_disk)
     loop = make(tmp_path)
     with pytest.raises(Exception) as info:
         loop.fit(max_steps=2)

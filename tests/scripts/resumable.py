@@ -51,7 +51,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, TensorDataset
 
 from hookloop import Loop, Network, hookimpl
-from hookloop import checkpointing
+from hookloop.checkpointing import codec, layout, saving
 from hookloop.plugins import Checkpoint, GradClip
 from hookloop.preemption import Preempted
 
@@ -98,8 +98,9 @@ class Pauser:
 def pause_in_save(stage, step, out, rank, until=None):
     """Wrap the checkpointing function of ``stage`` to hold the save of
     step ``step`` there (until ``until()``, if given)."""
-    target = {"write": "_write_rank_file", "publish": "_publish", "latest": "_point_latest"}[stage]
-    original = getattr(checkpointing, target)
+    module, target = {"write": (codec, "write_rank_file"), "publish": (saving, "publish"),
+                      "latest": (layout, "write_latest")}[stage]
+    original = getattr(module, target)
 
     def held(*args, **kwargs):
         name = str(args[-1] if stage == "latest" else args[0])
@@ -107,7 +108,7 @@ def pause_in_save(stage, step, out, rank, until=None):
             pause_here(out, rank, f"save {stage} {step}", until=until)
         return original(*args, **kwargs)
 
-    setattr(checkpointing, target, held)
+    setattr(module, target, held)
 
 
 def mlp(i, o, dropout):

@@ -1,4 +1,7 @@
-"""Checkpoints every N steps and/or every epoch, and a clean stop on SIGTERM."""
+"""Checkpoints every N steps and/or every epoch, and a clean stop on SIGTERM: the
+policy (when, where, how many, which is best). :mod:`hookloop.checkpointing`
+writes, verifies and reads; it knows this plugin only as a
+:class:`~hookloop.checkpointing.CheckpointPolicy`."""
 
 from __future__ import annotations
 
@@ -8,6 +11,9 @@ import warnings
 from pathlib import Path
 
 from .. import checkpointing
+from ..checkpointing.collective import every_rank
+from ..checkpointing.layout import NAME_PATTERN, sort_key
+from ..checkpointing.policy import CheckpointPolicy
 from ..markers import hookimpl
 from ..preemption import DEFAULT_SIGNALS, Preempted, SignalWatcher, signal_name
 
@@ -15,7 +21,7 @@ from ..preemption import DEFAULT_SIGNALS, Preempted, SignalWatcher, signal_name
 _DEFAULT = object()  # keep_last not given: 3, or 1 with monitor
 
 
-class Checkpoint:
+class Checkpoint(CheckpointPolicy):
     """Save the whole run with ``accelerator.save_state`` (see
     :mod:`hookloop.checkpointing` for what a checkpoint holds), atomically,
     keeping the newest ``keep_last``; resume with ``Loop(...,
@@ -172,16 +178,12 @@ class Checkpoint:
         if self.dir is None and self._run_dir is None:
             self._choose_run_dir(loop)
         root = self.directory(loop)
-        error = None
-        if loop.accelerator.is_main_process:
-            try:
+        with every_rank(loop.accelerator):  # every rank fails, none waits
+            if loop.accelerator.is_main_process:
                 checkpointing.check_writable(root)
                 checkpointing.clean(root)
                 _check_foreign(loop, root)
                 _warn_newer(loop, root)
-            except checkpointing.CheckpointError as exc:
-                error = str(exc)
-        checkpointing._all_ok(loop.accelerator, error)  # every rank fails, none waits
         self._due = False
         self._stop = self._stop_saved = self._pending = None
         self._fit_ended = False
@@ -406,10 +408,9 @@ def _warn_newer(loop, root):
     this run abandons, and will be replaced or rotated away as it saves."""
     if loop.resumed_from is None or loop.resumed_from.parent.resolve() != root.resolve():
         return
-    mine = checkpointing._sort_key(loop.resumed_from) if checkpointing._NAME.match(
-        loop.resumed_from.name) else None
+    mine = sort_key(loop.resumed_from) if NAME_PATTERN.match(loop.resumed_from.name) else None
     newer = [p.name for p in checkpointing.list_checkpoints(root)
-             if mine is not None and checkpointing._sort_key(p) > mine]
+             if mine is not None and sort_key(p) > mine]
     if newer:
         warnings.warn(
             f"Checkpoint: resumed from {loop.resumed_from.name}, but {root} also holds newer "

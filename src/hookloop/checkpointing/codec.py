@@ -1,0 +1,167 @@
+"""hookloop's own state as data, never a pickle: plugin states as JSON plus
+tensors (:func:`to_data` / :func:`from_data`), and each process's rank file
+(``hookloop-rank<rank>.safetensors``: its random and data-generator states).
+
+Plugin state protocol: every registered plugin with both ``state_dict()``
+and ``load_state_dict(state)`` is saved under its plugin name
+(:func:`stateful_plugins`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..rng import data_generators
+from .errors import CheckpointError
+from .layout import FORMAT
+
+
+def stateful_plugins(loop):
+    """``(name, plugin)`` for every registered plugin with both
+    ``state_dict`` and ``load_state_dict``, in registration order."""
+    for name, plugin in loop.plugins.pm.list_name_plugin():
+        if plugin is None:
+            continue
+        if callable(getattr(plugin, "state_dict", None)) and callable(
+            getattr(plugin, "load_state_dict", None)
+        ):
+            yield name, plugin
+
+
+# -- plugin state as data ------------------------------------------------------------
+
+_SPECIAL = ("__tensor__", "__ndarray__", "__tuple__", "__items__")
+
+
+def to_data(obj, tensors: dict, prefix: str, where: str, path: str = ""):
+    """``obj`` as JSON-able data. Tensors and numpy arrays go into
+    ``tensors`` (under a new key starting with ``prefix``) and are referenced
+    by that key; ``where`` and ``path`` name the culprit in errors."""
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        key = f"{prefix}/{len(tensors)}"
+        if isinstance(obj, torch.Tensor):
+            tensors[key] = obj.detach().to("cpu", copy=True).contiguous()
+            return {"__tensor__": key}
+        tensors[key] = torch.from_numpy(np.ascontiguousarray(obj).copy())
+        return {"__ndarray__": key}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, (tuple, list)):
+        items = [to_data(v, tensors, prefix, where, f"{path}[{i}]") for i, v in enumerate(obj)]
+        return {"__tuple__": items} if isinstance(obj, tuple) else items
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and k not in _SPECIAL for k in obj):
+            return {k: to_data(v, tensors, prefix, where, f"{path}[{k!r}]") for k, v in obj.items()}
+        return {"__items__": [
+            [to_data(k, tensors, prefix, where, f"{path} key {k!r}"),
+             to_data(v, tensors, prefix, where, f"{path}[{k!r}]")]
+            for k, v in obj.items()
+        ]}
+    raise CheckpointError(
+        f"{where}{path} is a {type(obj).__module__}.{type(obj).__qualname__}, which a "
+        "checkpoint cannot store as data (allowed: dict, list, tuple, str, int, float, bool, "
+        "None, torch.Tensor, numpy array)"
+    )
+
+
+def from_data(obj, tensors: dict):
+    """What :func:`to_data` was given, from its result and the tensors."""
+    if isinstance(obj, list):
+        return [from_data(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if len(obj) == 1:
+            (tag, value), = obj.items()
+            if tag == "__tensor__":
+                return tensors[value]
+            if tag == "__ndarray__":
+                return tensors[value].numpy()
+            if tag == "__tuple__":
+                return tuple(from_data(v, tensors) for v in value)
+            if tag == "__items__":
+                return {_hashable(from_data(k, tensors)): from_data(v, tensors) for k, v in value}
+        return {k: from_data(v, tensors) for k, v in obj.items()}
+    return obj
+
+
+def _hashable(key):
+    return tuple(_hashable(k) for k in key) if isinstance(key, (list, tuple)) else key
+
+
+# -- the rank file: what a resumed epoch needs to redraw the same shuffle ---------------
+
+
+def _rng_tensors(prefix: str, rng: dict, tensors: dict, meta: dict) -> None:
+    py_version, py_state, py_gauss = rng["python"]
+    np_name, np_keys, np_pos, np_has_gauss, np_cached = rng["numpy"]
+    tensors[f"{prefix}.torch"] = rng["torch"].clone()
+    tensors[f"{prefix}.numpy"] = torch.from_numpy(np.asarray(np_keys, dtype=np.int64))
+    tensors[f"{prefix}.python"] = torch.tensor(py_state, dtype=torch.int64)
+    meta[f"{prefix}.numpy"] = json.dumps([np_name, int(np_pos), int(np_has_gauss), float(np_cached)])
+    meta[f"{prefix}.python"] = json.dumps([py_version, py_gauss])
+
+
+def _rng_from_tensors(prefix: str, tensors: dict, meta: dict) -> dict:
+    np_name, np_pos, np_has_gauss, np_cached = json.loads(meta[f"{prefix}.numpy"])
+    py_version, py_gauss = json.loads(meta[f"{prefix}.python"])
+    return {
+        "torch": tensors[f"{prefix}.torch"],
+        "numpy": (np_name, tensors[f"{prefix}.numpy"].numpy().astype(np.uint32), np_pos,
+                  np_has_gauss, np_cached),
+        "python": (py_version, tuple(int(v) for v in tensors[f"{prefix}.python"].tolist()), py_gauss),
+    }
+
+
+def write_rank_file(file: Path, loop) -> None:
+    """This process's epoch-start RNG and its data generators now."""
+    from safetensors.torch import save_file
+
+    tensors: dict = {}
+    meta = {"format": FORMAT}
+    epoch = loop._epoch_rng
+    if epoch is not None:
+        _rng_tensors("epoch", epoch["rng"], tensors, meta)
+        for path, state in epoch["generators"].items():
+            tensors[f"epoch.gen.{path}"] = state.clone()
+    if loop.train_data is not None:
+        for path, gen in data_generators(loop.train_data).items():
+            tensors[f"now.gen.{path}"] = gen.get_state()
+    save_file(tensors, str(file), metadata=meta)
+
+
+def parse_rank_file(data: bytes):
+    """``(epoch_start, generators_now)`` from a rank file's bytes, every
+    random state checked by loading it into a scratch generator (a garbled
+    one fails here, not inside ``random.setstate`` during ``fit``)."""
+    from safetensors.torch import load as load_bytes
+
+    tensors = load_bytes(data)
+    size = int.from_bytes(data[:8], "little")
+    meta = json.loads(data[8:8 + size]).get("__metadata__") or {}
+    epoch = None
+    if "epoch.torch" in tensors:
+        epoch = {
+            "rng": _rng_from_tensors("epoch", tensors, meta),
+            "generators": {k[len("epoch.gen."):]: v for k, v in tensors.items()
+                           if k.startswith("epoch.gen.")},
+        }
+        check_rng(epoch["rng"]["python"], epoch["rng"]["numpy"], epoch["rng"]["torch"])
+        for state in epoch["generators"].values():
+            torch.Generator().set_state(state)
+    now = {k[len("now.gen."):]: v for k, v in tensors.items() if k.startswith("now.gen.")}
+    for state in now.values():
+        torch.Generator().set_state(state)
+    return epoch, now
+
+
+def check_rng(python, numpy, torch_state) -> None:
+    """Load random states into scratch generators: raises if any is not valid."""
+    random.Random().setstate(python)
+    np.random.RandomState().set_state(numpy)
+    torch.Generator().set_state(torch_state)

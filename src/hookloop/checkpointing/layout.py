@@ -1,0 +1,197 @@
+"""Names and places: what the files and directories of a checkpoint root
+are called, where the run folders are, and the ``latest`` pointer.
+
+Nothing here reads a checkpoint's content (see :mod:`.manifest`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+from pathlib import Path
+
+from .errors import CheckpointError
+
+FORMAT = "hookloop-checkpoint"
+#: 2: run id, checksums, run settings, finiteness, optimizer classes, and a
+#: checksum of the manifest itself. Version 1 checkpoints (hookloop 0.1) still
+#: load: what they lack is not verified.
+VERSION = 2
+STATE_FILE = "hookloop.json"
+TENSORS_FILE = "hookloop.safetensors"
+RANK_FILE = "hookloop-rank{rank}.safetensors"
+LATEST = "latest"
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+#: the name of a regular checkpoint: ``step-<global_step>`` (``-epoch-end``)
+NAME_PATTERN = re.compile(r"^step-(\d+)(-epoch-end)?$")
+_RUN = re.compile(r"^version_(\d+)$")
+
+
+# -- checkpoints in a root ---------------------------------------------------------
+
+
+def checkpoint_name(global_step: int, epoch_end: bool = False) -> str:
+    return f"step-{global_step:08d}" + ("-epoch-end" if epoch_end else "")
+
+
+def sort_key(path: Path):
+    """The order of checkpoints: by step, an epoch-end one after the
+    mid-epoch one of the same step (``path`` must match :data:`NAME_PATTERN`)."""
+    match = NAME_PATTERN.match(path.name)
+    return (int(match.group(1)), bool(match.group(2)))
+
+
+def list_checkpoints(root) -> list[Path]:
+    """The checkpoint directories in ``root``, oldest first (by step, an
+    epoch-end one after the mid-epoch one of the same step). Not validated."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if NAME_PATTERN.match(p.name) and p.is_dir()]
+    return sorted(found, key=sort_key)
+
+
+def read_latest(root) -> str | None:
+    """The checkpoint name ``root/latest`` holds (None: no such file, or
+    empty). A name that is not one directory entry of ``root`` (an absolute
+    path, ``..``, a path with separators) or text that is not UTF-8 is a
+    :class:`CheckpointError`: ``latest`` is never followed outside its root."""
+    file = Path(root) / LATEST
+    try:
+        raw = file.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {str(file)!r}: {type(exc).__name__}: {exc}") from exc
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(
+            f"{str(file)!r} is not UTF-8 text ({len(raw)} bytes starting {raw[:16]!r}): it is "
+            "corrupt. Delete it, or write the name of a checkpoint in that directory into it "
+            "(resume_from='latest' then uses it)"
+        ) from None
+    if not name:
+        return None
+    if (name in (".", "..") or "/" in name or "\\" in name or "\0" in name
+            or os.path.isabs(name) or "\n" in name):
+        raise CheckpointError(
+            f"{str(file)!r} holds {name[:200]!r}, which is not the name of a checkpoint in "
+            f"{str(root)!r} (an absolute path, '..' or a path with separators): refusing to "
+            "follow it out of the checkpoint root. Write the name of one of its checkpoints "
+            "into it, or delete it"
+        )
+    return name
+
+
+def write_latest(root: Path, name: str) -> None:
+    """Point ``root/latest`` at ``name``: write, fsync, ``os.replace``."""
+    tmp = root / f"{LATEST}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    fsync_dir(root)
+
+
+# -- run folders ---------------------------------------------------------------------
+
+
+def default_directory(accelerator) -> Path:
+    """``<accelerator.project_dir>/checkpoints``, or ``./checkpoints``: where
+    the default run folders (``version_<N>``) go."""
+    return Path(accelerator.project_dir or os.getcwd()) / "checkpoints"
+
+
+def run_folders(base) -> list[Path]:
+    """The ``version_<N>`` run folders in ``base``, by N."""
+    base = Path(base)
+    if not base.is_dir():
+        return []
+    found = [p for p in base.iterdir() if _RUN.match(p.name) and p.is_dir()]
+    return sorted(found, key=lambda p: int(_RUN.match(p.name).group(1)))
+
+
+def is_run_dir(base, path) -> bool:
+    """Whether ``path`` is a run folder of ``base`` (``version_<N>``), or
+    ``base`` itself holding checkpoints directly (hookloop 0.1's layout)."""
+    path, base = Path(path), Path(base)
+    try:
+        same_base = os.path.realpath(path.parent) == os.path.realpath(base)
+        is_base = os.path.realpath(path) == os.path.realpath(base)
+    except OSError:
+        return False
+    return (same_base and bool(_RUN.match(path.name))) or is_base
+
+
+def newest_run(base) -> Path | None:
+    """The run folder ``resume_from="latest"`` continues: the highest
+    ``version_<N>`` holding a checkpoint, else ``base`` itself if it holds
+    checkpoints directly (0.1's layout), else None."""
+    for folder in reversed(run_folders(base)):
+        if read_latest(folder) is not None or list_checkpoints(folder):
+            return folder
+    base = Path(base)
+    if base.is_dir() and ((base / LATEST).exists() or list_checkpoints(base)):
+        return base
+    return None
+
+
+def next_run_name(base) -> str:
+    """``version_<N>``: one more than the highest existing (0 for the first)."""
+    folders = run_folders(base)
+    n = int(_RUN.match(folders[-1].name).group(1)) + 1 if folders else 0
+    return f"version_{n}"
+
+
+# -- the root on disk ----------------------------------------------------------------
+
+
+def clean(root) -> None:
+    """Remove what killed saves and rotations left behind (``.tmp-*``,
+    ``.trash-*``). Main process only."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for path in root.iterdir():
+        if path.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.name.startswith(LATEST + ".tmp"):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def check_writable(root) -> None:
+    """Create ``root`` and write (then remove) a probe file, or raise
+    :class:`CheckpointError` naming the directory and the reason."""
+    root = Path(root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f"{TMP_PREFIX}probe-{os.getpid()}"
+        with open(probe, "wb") as f:
+            f.write(b"hookloop")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot write checkpoints to {str(root)!r}: {type(exc).__name__}: {exc}. "
+            "Pass Checkpoint(dir=...) a directory this process can write."
+        ) from exc
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # some file systems refuse fsync on a directory
+        fsync_file(path)

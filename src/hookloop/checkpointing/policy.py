@@ -1,0 +1,53 @@
+"""What the checkpoint I/O needs from the policy (the ``Checkpoint``
+plugin, :class:`hookloop.plugins.Checkpoint`), as a base class that the
+plugin subclasses: the I/O layer imports no plugin, it finds the registered
+instances of :class:`CheckpointPolicy`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .layout import default_directory, newest_run
+
+
+class CheckpointPolicy:
+    """Decides when, where, how many and which is best; the checkpoint
+    package asks it only what this class declares."""
+
+    #: names of ``custom_checkpoint_<i>.pkl`` files that loading may unpickle
+    trust_pickles: tuple = ()
+    #: the metric the best checkpoints are ranked by (None: none)
+    monitor: str | None = None
+
+    def directory(self, loop) -> Path:
+        """The checkpoint root for ``loop``: where saves go and where
+        ``resume_from="latest"`` looks."""
+        raise NotImplementedError(f"{type(self).__name__}.directory(loop)")
+
+    def best_checkpoint(self, loop, mine: bool = True):
+        """``(value, path)`` of the best checkpoint by :attr:`monitor` (only
+        this run's unless ``mine`` is False), or None."""
+        return None
+
+
+def checkpoint_plugins(loop) -> list:
+    """The :class:`CheckpointPolicy` plugins of ``loop`` (the
+    :class:`~hookloop.plugins.Checkpoint` ones, found by type, whatever
+    their names), in call order: the first one given in ``plugins=[...]``
+    first."""
+    found = [p for _, p in loop.plugins.pm.list_name_plugin() if isinstance(p, CheckpointPolicy)]
+    return found[::-1]  # pluggy calls the last registered first; user plugins are registered reversed
+
+
+def checkpoint_root(loop) -> Path:
+    """Where ``resume_from="latest"`` looks: the directory of the first
+    ``Checkpoint`` plugin (by type), else :func:`default_directory`."""
+    plugins = checkpoint_plugins(loop)
+    if plugins:
+        return plugins[0].directory(loop)
+    legacy = loop.plugins.get("checkpoint")  # a plugin of another class named "checkpoint"
+    if legacy is not None and callable(getattr(legacy, "directory", None)):
+        return legacy.directory(loop)
+    base = default_directory(loop.accelerator)
+    return newest_run(base) or base

@@ -1,0 +1,137 @@
+"""Staging: one process's files of a checkpoint read into memory and
+verified (sizes, CRC-32s, safe deserialisation, random states, finiteness),
+with nothing in the loop changed yet. :func:`~.loading.load` commits what
+is staged here, or nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import accelerate as accel
+from .codec import check_rng, from_data, parse_rank_file
+from .errors import CheckpointError, first_line
+from .finite import check_staged_finite
+from .layout import RANK_FILE, TENSORS_FILE
+from .manifest import read_manifest, verified
+
+
+@dataclass
+class Staged:
+    """One process's view of a checkpoint, read, verified and deserialised
+    into memory (:func:`stage`): nothing in the loop changed yet."""
+
+    path: Path
+    doc: dict
+    process_index: int
+    models: list
+    optimizers: list
+    schedulers: list
+    rng: dict
+    scaler: dict | None
+    extra: dict  # other Accelerate files (sampler, stateful loader): verified bytes
+    custom: dict  # custom_checkpoint_<i>.pkl -> ("data", state) | ("pickle", bytes)
+    epoch_start: dict | None
+    generators: dict
+    plugin_states: dict
+
+
+def stage(path, doc: dict | None = None, process_index: int | None = None) -> Staged:
+    """Read every file of checkpoint ``path`` that process ``process_index``
+    needs into memory: each one's size and CRC-32 checked against the
+    manifest (the CRC through a memory map), then deserialised (safetensors,
+    or ``torch.load`` with ``weights_only=True``), its random states tried on
+    scratch generators and its weights and optimizer state checked to be
+    finite. Raises :class:`CheckpointError` naming the file. Changes nothing.
+
+    The state of objects given to ``accelerator.register_for_checkpointing``
+    (``custom_checkpoint_<i>.pkl``) is deserialised the safe way too; one
+    that is a real pickle is kept as bytes, for :func:`load` to refuse (or,
+    if trusted by name, to unpickle)."""
+    path = Path(path)
+    doc = read_manifest(path) if doc is None else doc
+    rank = accel.process_index() if process_index is None else process_index
+    where = f"checkpoint {str(path)!r}"
+    counts = doc["accelerate"]
+    owner = {}
+    for name, entry in doc["networks"].items():
+        for part in ("model", "optimizer", "scheduler"):
+            if entry.get(part):
+                owner[entry[part]] = f"the {'weights' if part == 'model' else part + ' state'} of network {name!r}"
+
+    def read(rel, what):  # the file, once its size and checksum are verified
+        return verified(path, rel, doc, where, what)
+
+    models = []
+    for i in range(counts["models"]):
+        rel = accel.model_file(i)
+        what = owner.get(rel, f"the weights of accelerator model #{i}")
+        if rel not in doc["files"] and accel.legacy_model_file(i) in doc["files"]:
+            rel = accel.legacy_model_file(i)
+            models.append(accel.torch_load(read(rel, what), rel, where, what))
+        else:
+            models.append(accel.safetensors_load(read(rel, what), rel, where, what))
+    optimizers = []
+    for i in range(counts["optimizers"]):
+        rel = accel.optimizer_file(i)
+        what = owner.get(rel, f"the state of accelerator optimizer #{i}")
+        state = accel.torch_load(read(rel, what), rel, where, what)
+        if not (isinstance(state, dict) and isinstance(state.get("state"), dict)
+                and isinstance(state.get("param_groups"), list)):
+            raise CheckpointError(f"{where}: cannot read {what} from {rel}: it is not an optimizer "
+                                  "state_dict (no 'state' and 'param_groups')")
+        optimizers.append(state)
+    schedulers = []
+    for i in range(counts["schedulers"]):
+        rel = accel.scheduler_file(i)
+        what = owner.get(rel, f"the state of accelerator scheduler #{i}")
+        schedulers.append(accel.torch_load(read(rel, what), rel, where, what))
+
+    rel = accel.rng_file(rank)
+    what = f"the random states of process {rank}"
+    rng = accel.torch_load(read(rel, what), rel, where, what)
+    try:
+        check_rng(rng["random_state"], rng["numpy_random_seed"], rng["torch_manual_seed"])
+    except Exception as exc:  # noqa: BLE001 - any invalid content
+        raise CheckpointError(f"{where}: cannot read {what} from {rel}: they are not valid random "
+                              f"states ({type(exc).__name__}: {exc})") from exc
+    scaler = None
+    if accel.SCALER_FILE in doc["files"]:
+        what = "the gradient scaler state"
+        scaler = accel.torch_load(read(accel.SCALER_FILE, what), accel.SCALER_FILE, where, what)
+    extra = {rel: read(rel, "a data loader state").read_bytes() for rel in doc["files"]
+             if accel.LOADER_FILE.match(rel)}
+    custom = {}
+    for i in range(counts.get("custom_objects", 0)):
+        rel = accel.custom_file(i)
+        what = f"the state of object #{i} registered with accelerator.register_for_checkpointing"
+        data = read(rel, what).read_bytes()
+        try:
+            custom[rel] = ("data", accel.torch_load(data, rel, where, what))
+        except CheckpointError:
+            custom[rel] = ("pickle", data)
+
+    rel = RANK_FILE.format(rank=rank)
+    what = f"the data position of process {rank}"
+    data = read(rel, what).read_bytes()
+    try:
+        epoch_start, generators = parse_rank_file(data)
+    except Exception as exc:  # noqa: BLE001 - garbled in any way
+        raise CheckpointError(f"{where}: cannot read {what} from {rel}: {type(exc).__name__}: "
+                              f"{first_line(exc)}") from exc
+    tensors = {}
+    if TENSORS_FILE in doc["files"]:
+        tensors = accel.safetensors_load(read(TENSORS_FILE, "the plugin states"), TENSORS_FILE,
+                                         where, "the plugin states")
+    plugin_states = {}
+    for name, state in doc["plugins"].items():
+        try:
+            plugin_states[name] = from_data(state, tensors)
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise CheckpointError(f"{where}: the state of plugin {name!r} refers to tensors that "
+                                  f"{TENSORS_FILE} does not hold ({type(exc).__name__}: {exc})") from exc
+
+    check_staged_finite(models, optimizers, doc, where)
+    return Staged(path, doc, rank, models, optimizers, schedulers, rng, scaler, extra, custom,
+                  epoch_start, generators, plugin_states)
