@@ -56,18 +56,16 @@ then: a wrapper installed in the middle of a fit is not seen.
 
 from __future__ import annotations
 
-import ast
-import functools
-import hashlib
 import inspect
 import os
-import textwrap
 
 from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderShard
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType, synchronize_rng_states
+
+from ._fingerprint import fingerprint  # also importable from here, as before
 
 ENV = "HOOKLOOP_ACCELERATE_FASTPATH"
 
@@ -81,24 +79,6 @@ VERIFIED = {
     "AcceleratedScheduler.step": {"9baf1057c2ae0095"},
     "DataLoaderShard.__iter__": {"f6a0dc946182432d"},
 }
-
-
-@functools.lru_cache(maxsize=None)
-def fingerprint(func) -> str:
-    """A hash of a function's code with comments, docstrings and layout
-    removed: it changes when what the function does may have changed."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if (
-            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-            and body
-            and isinstance(body[0], ast.Expr)
-            and isinstance(body[0].value, ast.Constant)
-            and isinstance(body[0].value.value, str)
-        ):
-            node.body = body[1:] or [ast.Pass()]
-    return hashlib.sha256(ast.unparse(tree).encode()).hexdigest()[:16]
 
 
 def accelerate_verified() -> bool:

@@ -5,496 +5,59 @@ last-registered first, so they are registered in the reverse order):
 
 1. plugins given in code, ``Loop(plugins=[A, B])``: A, then B;
 2. installed plugins (entry-point group ``hookloop``) that are switched on:
-   named in ``plugins=[...]``, or observers whose author set ``autoload``;
+   named in ``plugins=[...]``, or observers whose author set ``autoload``
+   (:mod:`hookloop.discovery`, with the environment controls);
 3. built-in plugins: the strategy, its default loss, the progress bar.
 
-An installed plugin is *listed* without being *active*: installing a
-distribution never changes somebody's training by itself (see
-:func:`discover`). Environment controls, as in pytest and datasette:
+``trylast`` implementations, too, run in that order (see
+:meth:`PluginManager._order_trylast`). Every plugin is checked before it is
+registered (:mod:`hookloop.validation`); ``loop.hook`` calls the hooks
+(:mod:`hookloop.relay`); an exception is traced back to the plugin and hook
+it came from (:meth:`PluginManager.culprit`). ``HOOKLOOP_TRACE=1`` prints
+every hook call and its implementations to stderr.
 
-``HOOKLOOP_DISABLE_PLUGIN_AUTOLOAD=1``
-    no installed plugin is activated unless named in ``plugins=[...]``.
-``HOOKLOOP_LOAD_PLUGINS=a,b``
-    only these installed plugins may autoload (set but empty: none).
-``HOOKLOOP_BLOCK_PLUGINS=a,b``
-    never run these, whatever their source (built-ins included).
-``HOOKLOOP_TRACE=1``
-    print every hook call and its implementations to stderr.
+The names other modules import from here keep working: the ones now in
+:mod:`hookloop.discovery`, :mod:`hookloop.validation` and
+:mod:`hookloop.relay` are imported below.
 """
 
 from __future__ import annotations
 
-import difflib
-import functools
 import inspect
 import os
 import sys
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from importlib import metadata
 
 import pluggy
-from pluggy._callers import _multicall
-from pluggy._hooks import varnames
 
-from . import hookspecs
+from . import _pluggy, hookspecs
+from .discovery import (  # noqa: F401 - hookloop.manager's names, as before
+    ENV_BLOCK,
+    ENV_DISABLE_AUTOLOAD,
+    ENV_LOAD,
+    Installed,
+    autoload_considered,
+    autoload_decision,
+    blocked_names,
+    changes_training,
+    discover,
+    warn_broken,
+)
 from .errors import PluginLoadError, PluginValidationError
-from .markers import ENTRY_POINT_GROUP, PROJECT_NAME
+from .markers import PROJECT_NAME
+from .relay import HookRelay
+from .validation import (  # noqa: F401 - hookloop.manager's names, as before
+    FOREIGN_HOOKS,
+    UnmarkedHookWarning,
+    _spec_args,
+    hook_names,
+    implemented_hooks,
+    suggest_hook,
+    validate,
+)
 
-ENV_DISABLE_AUTOLOAD = "HOOKLOOP_DISABLE_PLUGIN_AUTOLOAD"
-ENV_LOAD = "HOOKLOOP_LOAD_PLUGINS"
-ENV_BLOCK = "HOOKLOOP_BLOCK_PLUGINS"
 ENV_TRACE = "HOOKLOOP_TRACE"
-
-
-class UnmarkedHookWarning(UserWarning):
-    """A plugin marks some hook methods ``@hookimpl`` but leaves one that is
-    named like a hook unmarked: that one is never called."""
-
-
-@functools.cache
-def hook_names() -> tuple[str, ...]:
-    """Every hook, in the order ``hookspecs.py`` declares them."""
-    return tuple(
-        name
-        for name, func in vars(hookspecs).items()
-        if inspect.isfunction(func) and hasattr(func, PROJECT_NAME + "_spec")
-    )
-
-
-def _env_list(name: str) -> list[str] | None:
-    """``None`` when the variable is unset; ``[]`` when set but empty."""
-    value = os.environ.get(name)
-    if value is None:
-        return None
-    return [part.strip() for part in value.split(",") if part.strip()]
-
-
-def blocked_names(extra=()) -> set[str]:
-    return set(_env_list(ENV_BLOCK) or ()) | set(extra)
-
-
-def plugin_name(plugin) -> str:
-    """A plugin's name: its ``name`` attribute, else its class (or module) name."""
-    name = getattr(plugin, "name", None)
-    if isinstance(name, str) and name:
-        return name
-    if inspect.ismodule(plugin):
-        return plugin.__name__
-    return type(plugin).__name__
-
-
-# ---------------------------------------------------------------------------
-# installed plugins
-# ---------------------------------------------------------------------------
-
-
-@dataclass
-class Installed:
-    """One entry point of the ``hookloop`` group, loaded or not."""
-
-    name: str
-    entry_point: metadata.EntryPoint
-    distribution: str | None
-    version: str | None
-    obj: object = None
-    error: BaseException | None = None
-    hooks: list[str] = field(default_factory=list)
-
-    @property
-    def autoload(self) -> bool:
-        """Whether the author declared the plugin an observer that may act
-        as soon as it is installed (``autoload = True`` on the object)."""
-        return bool(getattr(self.obj, "autoload", False))
-
-    @property
-    def changes_training(self) -> bool | None:
-        """What the author declared (see :func:`changes_training`)."""
-        return changes_training(self.obj)
-
-    def describe(self) -> str:
-        dist = f"{self.distribution} {self.version}" if self.distribution else "?"
-        return f"entry point {self.name!r} ({self.entry_point.value}) of distribution {dist}"
-
-    def instantiate(self, options=None):
-        """The plugin object to register: a class is called with ``options``,
-        a module or an instance is used as it is."""
-        if self.error is not None:
-            raise PluginLoadError(
-                f"cannot load installed plugin {self.name!r}: "
-                f"{self.describe()} failed to import: "
-                f"{type(self.error).__name__}: {self.error}",
-                distribution=self.distribution,
-                entry_point=self.entry_point.value,
-            ) from self.error
-        if inspect.isclass(self.obj):
-            try:
-                return self.obj(**(options or {}))
-            except TypeError as exc:
-                raise PluginLoadError(
-                    f"cannot create installed plugin {self.name!r} "
-                    f"({self.describe()}) with options {options or {}}: {exc}",
-                    distribution=self.distribution,
-                    entry_point=self.entry_point.value,
-                ) from exc
-        if options:
-            raise PluginLoadError(
-                f"installed plugin {self.name!r} ({self.describe()}) is not a "
-                f"class and takes no options; got {options}",
-                distribution=self.distribution,
-                entry_point=self.entry_point.value,
-            )
-        return self.obj
-
-
-def discover() -> list[Installed]:
-    """Every entry point of the ``hookloop`` group, imported but not
-    registered. A distribution that fails to import is returned with its
-    ``error`` set: it does not take the others down."""
-    found = []
-    seen = set()
-    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        dist = getattr(ep, "dist", None)
-        key = (ep.name, ep.value)
-        if key in seen:  # the same distribution seen twice on sys.path
-            continue
-        seen.add(key)
-        item = Installed(
-            name=ep.name,
-            entry_point=ep,
-            distribution=dist.metadata["Name"] if dist else None,
-            version=dist.version if dist else None,
-        )
-        try:
-            item.obj = ep.load()
-        except Exception as exc:  # noqa: BLE001 - reported, never fatal here
-            item.error = exc
-        else:
-            item.hooks = implemented_hooks(item.obj)
-        found.append(item)
-    return found
-
-
-def changes_training(plugin) -> bool | None:
-    """Whether a plugin (object or class) changes the numbers of a training
-    run (loss, gradients, weights, data, stopping), as its author declared
-    with a ``changes_training`` attribute: ``True``, ``False``, or ``None``
-    when undeclared. ``autoload = True`` without it declares an observer
-    (``False``). ``hookloop plugins`` shows it."""
-    declared = getattr(plugin, "changes_training", None)
-    if isinstance(declared, bool):
-        return declared
-    return False if getattr(plugin, "autoload", False) is True else None
-
-
-def autoload_considered(name: str, block=()) -> bool:
-    """Whether the environment lets an installed plugin of this name autoload
-    at all (before looking at the plugin itself)."""
-    if name in blocked_names(block) or os.environ.get(ENV_DISABLE_AUTOLOAD):
-        return False
-    allow = _env_list(ENV_LOAD)
-    return allow is None or name in allow
-
-
-def autoload_decision(item: Installed, block=()) -> tuple[bool, str]:
-    """Whether an installed plugin activates without being named, and why."""
-    if item.name in blocked_names(block):
-        return False, "blocked by name"
-    if item.error is not None:
-        return False, f"failed to import: {type(item.error).__name__}: {item.error}"
-    if os.environ.get(ENV_DISABLE_AUTOLOAD):
-        return False, f"{ENV_DISABLE_AUTOLOAD} is set; name it in plugins=[...] to use it"
-    allow = _env_list(ENV_LOAD)
-    if allow is not None and item.name not in allow:
-        return False, f"not in {ENV_LOAD}; name it in plugins=[...] to use it"
-    changes = item.changes_training
-    if not item.autoload:
-        if changes is False:
-            return False, ("observer (changes_training = False), but its author did not set "
-                           "autoload = True: acts only when named in plugins=[...]")
-        if changes is None:
-            return False, ("acts only when named in plugins=[...] (its author declared neither "
-                           "autoload nor changes_training)")
-        return False, "changes training: acts only when named in plugins=[...]"
-    if changes:
-        return False, ("declares autoload = True and changes_training = True: a plugin that "
-                       "changes training never autoloads; name it in plugins=[...]")
-    return True, "observer: its author set autoload = True"
-
-
-# ---------------------------------------------------------------------------
-# validation
-# ---------------------------------------------------------------------------
-
-
-def _spec_args(name: str) -> tuple[str, ...]:
-    return varnames(getattr(hookspecs, name))[0]
-
-
-def implemented_hooks(plugin) -> list[str]:
-    """The hook names a plugin object marks with ``@hookimpl``."""
-    if inspect.isclass(plugin):  # look at the methods without instantiating
-        candidates = {n: getattr(plugin, n, None) for n in dir(plugin)}
-    else:
-        candidates = {n: getattr(plugin, n, None) for n in dir(plugin) if not n.startswith("__")}
-    out = []
-    for attr, value in candidates.items():
-        opts = getattr(value, PROJECT_NAME + "_impl", None)
-        if isinstance(opts, dict):
-            out.append(opts.get("specname") or attr)
-    order = {h: i for i, h in enumerate(hook_names())}
-    return sorted(out, key=lambda h: order.get(h, len(order)))
-
-
-#: hook names of other training libraries -> the hookloop hook that does that
-#: job (used by the "did you mean" of a misnamed hook). Lightning's
-#: ``Callback`` / ``LightningModule`` hooks and the Hugging Face Trainer's
-#: ``TrainerCallback`` events; names hookloop shares (``on_fit_start``,
-#: ``on_exception``, ``on_train_epoch_end``) need no entry.
-FOREIGN_HOOKS = {
-    # Lightning
-    "setup": ("Lightning", "on_fit_start"),
-    "on_train_start": ("Lightning", "on_fit_start"),
-    "on_train_end": ("Lightning", "on_fit_end"),
-    "teardown": ("Lightning", "on_fit_end"),
-    "on_train_epoch_start": ("Lightning", "on_epoch_start"),
-    "training_epoch_end": ("Lightning", "on_train_epoch_end"),
-    "on_train_batch_start": ("Lightning", "before_step"),
-    "on_train_batch_end": ("Lightning", "after_step"),
-    "training_step_end": ("Lightning", "after_step"),
-    "on_before_backward": ("Lightning", "before_backward"),
-    "on_after_backward": ("Lightning", "after_backward"),
-    "on_before_optimizer_step": ("Lightning", "before_optimizer_step"),
-    "optimizer_step": ("Lightning", "before_optimizer_step"),
-    "on_before_zero_grad": ("Lightning", "before_zero_grad"),
-    "optimizer_zero_grad": ("Lightning", "before_zero_grad"),
-    "lr_scheduler_step": ("Lightning", "before_scheduler_step"),
-    "on_validation_start": ("Lightning", "on_eval_start"),
-    "on_validation_epoch_start": ("Lightning", "on_eval_start"),
-    "validation_step": ("Lightning", "eval_step"),
-    "on_validation_batch_end": ("Lightning", "after_eval_step"),
-    "validation_step_end": ("Lightning", "after_eval_step"),
-    "on_validation_epoch_end": ("Lightning", "on_eval_end"),
-    "validation_epoch_end": ("Lightning", "on_eval_end"),
-    "on_validation_end": ("Lightning", "on_eval_end"),
-    "test_step": ("Lightning", "eval_step"),
-    "on_test_batch_end": ("Lightning", "after_eval_step"),
-    "on_test_epoch_end": ("Lightning", "on_eval_end"),
-    "on_save_checkpoint": ("Lightning", "state_dict"),
-    "on_load_checkpoint": ("Lightning", "load_state_dict"),
-    # Hugging Face Trainer callbacks
-    "on_init_end": ("the Hugging Face Trainer", "on_fit_start"),
-    "on_train_begin": ("the Hugging Face Trainer", "on_fit_start"),
-    "on_epoch_begin": ("the Hugging Face Trainer", "on_epoch_start"),
-    "on_step_begin": ("the Hugging Face Trainer", "before_step"),
-    "on_pre_optimizer_step": ("the Hugging Face Trainer", "before_optimizer_step"),
-    "on_optimizer_step": ("the Hugging Face Trainer", "after_optimizer_step"),
-    "on_substep_end": ("the Hugging Face Trainer", "after_step"),
-    "on_step_end": ("the Hugging Face Trainer", "after_step"),
-    "on_evaluate": ("the Hugging Face Trainer", "on_eval_end"),
-    "on_prediction_step": ("the Hugging Face Trainer", "after_eval_step"),
-    "on_log": ("the Hugging Face Trainer", "after_step"),
-    "on_save": ("the Hugging Face Trainer", "state_dict"),
-}
-
-#: plugin methods that are not hooks (the checkpoint plugin calls them)
-_STATE_METHODS = ("state_dict", "load_state_dict")
-
-
-def suggest_hook(hook: str, valid=None) -> str:
-    """A hint for a method marked ``@hookimpl`` whose name is no hookloop
-    hook: the hook that does the job when the name is another library's (see
-    :data:`FOREIGN_HOOKS`), else the closest hook name; ``""`` if none."""
-    valid = hook_names() if valid is None else valid
-    foreign = FOREIGN_HOOKS.get(hook)
-    if foreign is not None:
-        library, target = foreign
-        if target in _STATE_METHODS:
-            return (
-                f" {hook!r} is {library}'s name; in hookloop a plugin keeps state in "
-                "checkpoints with plain (unmarked) state_dict() and load_state_dict(state) methods."
-            )
-        if target in valid:
-            return f" {hook!r} is {library}'s name: the hookloop hook is {target!r}."
-    close = difflib.get_close_matches(hook, valid, n=1)
-    return f" Did you mean {close[0]!r}?" if close else ""
-
-
-def validate(plugin, name: str) -> None:
-    """Raise :class:`PluginValidationError`, naming the plugin, the method and
-    the valid choices, for anything pluggy would accept silently or report
-    only at call time."""
-    if inspect.isclass(plugin):
-        raise PluginValidationError(
-            plugin,
-            f"plugin {name!r} is the class {plugin.__module__}.{plugin.__qualname__}, "
-            f"not an instance: pass {plugin.__qualname__}(...) instead",
-        )
-    valid = hook_names()
-    marked = 0
-    implemented = set()
-    for attr in dir(plugin):
-        if attr.startswith("__"):
-            continue
-        method = getattr(plugin, attr, None)
-        opts = getattr(method, PROJECT_NAME + "_impl", None)
-        if not isinstance(opts, dict):
-            continue
-        marked += 1
-        hook = opts.get("specname") or attr
-        implemented.add(hook)
-        if hook not in valid:
-            raise PluginValidationError(
-                plugin,
-                f"plugin {name!r}: method {attr!r} is marked @hookimpl but "
-                f"{hook!r} is not a hookloop hook.{suggest_hook(hook, valid)} "
-                f"Valid hooks: {', '.join(valid)}",
-            )
-        _check_signature(plugin, name, attr, hook, method)
-        if (opts.get("wrapper") or opts.get("hookwrapper")) and not inspect.isgeneratorfunction(method):
-            kind = "wrapper=True" if opts.get("wrapper") else "hookwrapper=True"
-            raise PluginValidationError(
-                plugin,
-                f"plugin {name!r}: method {attr!r} (hook {hook!r}) is marked "
-                f"@hookimpl({kind}) but has no `yield`: a wrapper runs its code before "
-                "`result = yield`, the other implementations at the yield, and returns "
-                "the result after it. Add the yield, or drop the wrapper option.",
-            )
-        args = varnames(method)[0]
-        spec_args = _spec_args(hook)
-        unknown = [a for a in args if a not in spec_args]
-        if unknown:
-            raise PluginValidationError(
-                plugin,
-                f"plugin {name!r}: method {attr!r} (hook {hook!r}) asks for "
-                f"argument(s) {', '.join(map(repr, unknown))} that the hook does "
-                f"not have. Valid arguments: {', '.join(spec_args)}",
-            )
-    lookalikes = [a for a in dir(plugin) if a in valid and a not in implemented
-                  and callable(getattr(plugin, a, None))]
-    if marked == 0:
-        hint = (
-            f" Methods named like hooks but not marked: {', '.join(lookalikes)} "
-            f"(add @hookimpl)."
-            if lookalikes
-            else ""
-        )
-        raise PluginValidationError(
-            plugin, f"plugin {name!r} has no @hookimpl methods.{hint}"
-        )
-    for attr in lookalikes:
-        warnings.warn(
-            f"plugin {name!r}: method {attr!r} is named like the hook but not marked "
-            f"@hookimpl, so it is never called (its other hook methods are marked). "
-            f"Add @hookimpl, or rename it.",
-            UnmarkedHookWarning,
-            stacklevel=5,  # Loop(...) in the user's code
-        )
-    has_save = callable(getattr(plugin, "state_dict", None))
-    has_load = callable(getattr(plugin, "load_state_dict", None))
-    if has_save != has_load:
-        present, missing = ("state_dict", "load_state_dict") if has_save else (
-            "load_state_dict", "state_dict")
-        raise PluginValidationError(
-            plugin,
-            f"plugin {name!r} has {present}() but no {missing}(): checkpoints keep a "
-            "plugin's state only when it has both (state_dict() -> dict, "
-            "load_state_dict(state)). Add the other one, or rename this one.",
-        )
-
-
-def _check_signature(plugin, name, attr, hook, method) -> None:
-    """A hook implementation names the arguments it takes: pluggy passes
-    nothing to ``*args`` / ``**kwargs`` (they would silently stay empty)."""
-    try:
-        params = inspect.signature(method).parameters.values()
-    except (TypeError, ValueError):  # a builtin or C function: nothing to check
-        return
-    for p in params:
-        if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
-            star = "**" if p.kind is p.VAR_KEYWORD else "*"
-            raise PluginValidationError(
-                plugin,
-                f"plugin {name!r}: method {attr!r} (hook {hook!r}) takes "
-                f"{star}{p.name}, which would always be empty: a hook implementation "
-                "receives only the arguments it names. Name the ones you need "
-                f"from: {', '.join(_spec_args(hook))}",
-            )
-
-
-# ---------------------------------------------------------------------------
-# the manager
-# ---------------------------------------------------------------------------
-
-
-def _noop(**kwargs):
-    """A firstresult hook nobody implements: no result."""
-    return None
-
-
-def _noop_broadcast(**kwargs):
-    """A broadcast hook nobody implements: no results (as pluggy returns)."""
-    return []
-
-
-class HookRelay:
-    """``loop.hook``: one attribute per hook, called with keyword arguments.
-
-    A hook that no plugin implements is a plain no-op function, so the
-    per-step path pays nothing for it (pluggy's own call costs ~0.6 µs even
-    with no implementation). A hook whose implementations are all plain (no
-    wrappers), with no call monitoring on, is a generated function that calls
-    them in pluggy's order with the arguments each one asks for, as pluggy's
-    ``_multicall`` does, at ~0.05 µs per implementation instead of ~0.3-0.5.
-    Anything else is pluggy's own caller. Replaced whenever the set of
-    plugins changes; each hook's caller is made on first use.
-    """
-
-    def __init__(self, pm: pluggy.PluginManager):
-        self._pm = pm
-
-    def __getattr__(self, name):  # only for attributes not made yet
-        if name.startswith("_") or name not in hook_names():
-            raise AttributeError(f"{name!r} is not a hookloop hook")
-        caller = getattr(self._pm.hook, name)
-        impls = caller.get_hookimpls()
-        if not impls:
-            firstresult = bool(caller.spec and caller.spec.opts.get("firstresult"))
-            caller = _noop if firstresult else _noop_broadcast
-        elif not (
-            # monitoring (HOOKLOOP_TRACE, add_hookcall_monitoring) replaces _multicall
-            getattr(self._pm, "_inner_hookexec", None) is not _multicall
-            or any(i.wrapper or i.hookwrapper for i in impls)
-            or varnames(getattr(hookspecs, name))[1]  # spec defaults: pluggy applies them
-        ):
-            firstresult = bool(caller.spec and caller.spec.opts.get("firstresult"))
-            caller = _direct_caller(name, impls, firstresult)
-        setattr(self, name, caller)
-        return caller
-
-
-def _direct_caller(name, impls, firstresult):
-    """``f(**kwargs)`` calling ``impls`` as pluggy does: last registered first
-    (``impls`` is in pluggy's order), each with the arguments it names;
-    firstresult hooks stop at the first non-None result, the others return
-    the list of non-None results."""
-    spec_args = _spec_args(name)
-    namespace = {}
-    # keyword-only, as pluggy's callers are; extra keywords ignored, as pluggy does
-    params = ", ".join(["*", *spec_args, "**_extra"]) if spec_args else "**_extra"
-    lines = [f"def {name}({params}):"]
-    if not firstresult:
-        lines.append("    results = []")
-    for i, impl in enumerate(reversed(impls)):
-        namespace[f"impl{i}"] = impl.function
-        args = [*impl.argnames, *(f"{a}={a}" for a in impl.kwargnames if a in spec_args)]
-        lines.append(f"    result = impl{i}({', '.join(args)})")
-        lines.append("    if result is not None:")
-        lines.append("        return result" if firstresult else "        results.append(result)")
-    lines.append("    return None" if firstresult else "    return results")
-    exec(compile("\n".join(lines), f"<hookloop hook {name}>", "exec"), namespace)  # noqa: S102
-    return namespace[name]
 
 
 class PluginManager:
@@ -505,6 +68,8 @@ class PluginManager:
         self.pm.add_hookspecs(hookspecs)
         #: name -> where it came from ("built-in", "code", or an entry point)
         self.sources: dict[str, str] = {}
+        #: hooks whose trylast order could not be applied (warned once each)
+        self._unordered: set[str] = set()
         self.hook = HookRelay(self.pm)
         if os.environ.get(ENV_TRACE):
             self._enable_tracing()
@@ -605,17 +170,33 @@ class PluginManager:
         in reverse of the wanted call order, so put every ``trylast`` block in
         registration order (pluggy calls a list from its end): then
         ``trylast`` implementations too run in list order, user plugins'
-        before the built-in defaults'."""
+        before the built-in defaults'.
+
+        That rewrites pluggy's private list of implementations; where
+        :func:`hookloop._pluggy.reorderable` finds none it can, pluggy's
+        order stays, with a warning naming the hook (see :mod:`hookloop._pluggy`)."""
         order = {name: i for i, name in enumerate(self.sources)}
         for name in hook_names():
-            impls = getattr(self.pm.hook, name)._hookimpls
-            for wrappers in (False, True):
-                positions = [i for i, impl in enumerate(impls)
-                             if impl.trylast and bool(impl.wrapper or impl.hookwrapper) == wrappers]
-                ranked = sorted((impls[i] for i in positions),
-                                key=lambda impl: order.get(impl.plugin_name, -1))
-                for i, impl in zip(positions, ranked):
-                    impls[i] = impl
+            caller = getattr(self.pm.hook, name)
+            impls = list(caller.get_hookimpls())
+            wanted = _trylast_ordered(impls, order)
+            if wanted == impls:
+                continue
+            target = _pluggy.reorderable(caller)
+            if target is not None:
+                target[:] = wanted
+            elif name not in self._unordered:
+                self._unordered.add(name)
+                called = [i.plugin_name for i in reversed(impls) if i.trylast]
+                meant = [i.plugin_name for i in reversed(wanted) if i.trylast]
+                warnings.warn(
+                    f"hookloop: cannot order the trylast implementations of {name!r} with "
+                    f"this pluggy ({pluggy.__version__}, {_pluggy.ENV}="
+                    f"{os.environ.get(_pluggy.ENV, 'unset')}): they run {', '.join(called)} "
+                    f"instead of {', '.join(meant)}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
     def names(self) -> list[str]:
         return [name for name, plugin in self.pm.list_name_plugin() if plugin is not None]
@@ -666,9 +247,33 @@ class PluginManager:
         self.add_hookcall_monitoring(before, after)
 
 
+def _trylast_ordered(impls, order):
+    """``impls`` (pluggy's order) with each block of ``trylast``
+    implementations (plain ones, then wrappers) sorted by registration."""
+    out = list(impls)
+    for wrappers in (False, True):
+        positions = [i for i, impl in enumerate(impls)
+                     if impl.trylast and bool(impl.wrapper or impl.hookwrapper) == wrappers]
+        ranked = sorted((impls[i] for i in positions),
+                        key=lambda impl: order.get(impl.plugin_name, -1))
+        for i, impl in zip(positions, ranked):
+            out[i] = impl
+    return out
+
+
 # ---------------------------------------------------------------------------
 # naming: which name each plugin of a loop is registered under
 # ---------------------------------------------------------------------------
+
+
+def plugin_name(plugin) -> str:
+    """A plugin's name: its ``name`` attribute, else its class (or module) name."""
+    name = getattr(plugin, "name", None)
+    if isinstance(name, str) and name:
+        return name
+    if inspect.ismodule(plugin):
+        return plugin.__name__
+    return type(plugin).__name__
 
 
 def explicit_name(plugin) -> str | None:
@@ -741,13 +346,4 @@ def resolve_named(item, installed, builtins):
     raise PluginLoadError(
         f"no plugin named {name!r}: not built in and not installed "
         f"(entry-point group 'hookloop'). Known: {', '.join(known)}"
-    )
-
-
-def warn_broken(item: Installed) -> None:
-    warnings.warn(
-        f"hookloop: skipping installed plugin {item.name!r}: {item.describe()} "
-        f"failed to import: {type(item.error).__name__}: {item.error}",
-        RuntimeWarning,
-        stacklevel=3,
     )

@@ -35,9 +35,8 @@ from collections import namedtuple
 
 import pytest
 
-from .manager import hook_names
 from .markers import hookimpl
-from .manager import _spec_args
+from .validation import _spec_args, hook_names
 
 Call = namedtuple("Call", "hook kwargs")
 
