@@ -1,4 +1,5 @@
-"""How the built-in strategies read a batch and a model's outputs.
+"""Batches: how the built-in strategies read a batch and a model's outputs,
+and how long a dataloader is.
 
 A batch that is a mapping is passed as ``model(**batch)`` and its targets are
 ``batch["labels"]`` (or ``batch["label"]``); a sequence ``(inputs, targets,
@@ -81,3 +82,21 @@ def loader_batch_size(data) -> int | None:
             return size
         obj = getattr(obj, "batch_sampler", None)
     return None
+
+
+def abandon(batches, accelerator, before) -> None:
+    """Stop iterating prepared dataloaders before their end. Accelerate
+    unregisters a dataloader from its gradient state only when its iteration
+    runs out; an abandoned one would stay the "active" dataloader. ``before``:
+    the gradient state's dataloaders before the iteration began (the ones
+    since are ended: the loader itself, or the copy that skips a resumed
+    epoch's first batches)."""
+    from accelerate.data_loader import DataLoaderStateMixin
+
+    close = getattr(batches, "close", None)
+    if close is not None:
+        close()
+    references = accelerator.gradient_state.dataloader_references
+    for loader in [r for r in references if r is not None and all(r is not b for b in before)]:
+        if isinstance(loader, DataLoaderStateMixin):
+            loader.end()

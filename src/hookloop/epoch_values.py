@@ -58,11 +58,32 @@ class EpochValues:
     def clear(self) -> None:
         self._values = {}
 
-    def reduce(self, accelerator) -> dict[str, float]:
+    def state_dict(self) -> dict:
+        """This process's running reductions: ``{key: [reduction, total,
+        count]}``, each total a float or a 0-d float64 CPU tensor (as data a
+        checkpoint stores; adding to it goes on exactly as before)."""
+        return {
+            key: [reduce, total.detach().to("cpu", copy=True) if isinstance(total, torch.Tensor) else total, count]
+            for key, (reduce, total, count) in self._values.items()
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        values = {}
+        for key, entry in state.items():
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and entry[0] in REDUCTIONS
+                    and isinstance(entry[2], int) and isinstance(entry[1], (int, float, torch.Tensor))):
+                raise ValueError(f"loop.log accumulator {key!r} is not [reduction, total, count]: {entry!r}")
+            values[key] = list(entry)
+        self._values = values
+
+    def reduce(self, accelerator, clear: bool = True) -> dict[str, float]:
         """Every key's value over the epoch and over all processes (a
-        collective with several processes: every process calls it), then
-        start afresh."""
-        values, self._values = self._values, {}
+        collective with several processes: every process calls it).
+        ``clear``: start afresh (the epoch is over); else keep adding (an
+        epoch ended early by a stop, which the next fit continues)."""
+        values = self._values
+        if clear:
+            self._values = {}
         several = accelerator.num_processes > 1
         keys = sorted(values)
         if several:  # a key logged on one process only must not hang the others

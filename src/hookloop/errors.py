@@ -21,3 +21,23 @@ class PluginLoadError(ImportError):
         super().__init__(message)
         self.distribution = distribution
         self.entry_point = entry_point
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``; on Python 3.10 the same ``__notes__`` list,
+    which the ``exceptiongroup`` backport prints in tracebacks."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+        return
+    notes = getattr(exc, "__notes__", None)
+    if not isinstance(notes, list):
+        notes = []
+    notes.append(note)
+    exc.__notes__ = notes
+    import sys
+
+    if sys.version_info < (3, 11):
+        try:
+            import exceptiongroup  # noqa: F401 - patches traceback printing of __notes__
+        except ImportError:
+            pass

@@ -18,15 +18,55 @@ Call order for one epoch of supervised training with an evaluation set::
           before_zero_grad / after_zero_grad          │ (update steps only)
         after_step                                    ┘
         (every eval_every updates: on_eval_start ... on_eval_end)
+        on_safe_point(epoch_end=False)                  after every update (not one a stop ends at)
       on_train_epoch_end                                also after a stop / max_steps
         on_eval_start
           eval_step                                     ┐ once per eval batch
           after_eval_step                               ┘
         on_eval_end
       on_epoch_end
+      on_safe_point(epoch_end=True)                     fit_end=True after the fit's last epoch
     on_fit_end
 
 ``on_exception`` replaces the rest of this sequence when anything raises.
+
+**How a fit or an epoch ends, and which hooks run** (as Ignite's ``Events``
+documents ``terminate``). "Epoch end" is ``on_train_epoch_end``, the
+evaluation (with ``eval_data``), ``on_epoch_end`` and the epoch's
+``on_safe_point``; ``loop.state.epoch_end_reason`` names the way it ended
+from ``on_train_epoch_end`` to that safe point.
+
+==============================  ===========================================================
+the epoch or fit ends by        what runs
+==============================  ===========================================================
+its data running out            the epoch end (``"data"``; ``epoch_complete``): the next
+                                epoch follows, or ``on_fit_end`` when ``epochs`` is reached
+:meth:`Loop.end_epoch`          at the next update boundary: the epoch end (``"end_epoch"``;
+                                ``epoch_complete``, as if its data ran out); the next
+                                epoch starts with its first batch
+:meth:`Loop.stop`               at the next update boundary (after its evaluation when
+                                asked during one): the epoch end (``"stop"``; not
+                                complete: the next fit continues the epoch), then
+                                ``on_fit_end``; the stop is in the checkpoint
+``fit(max_steps=N)``            at update N: as a stop (``"max_steps"``)
+:meth:`Loop.skip_batch`         no ``training_step`` / ``after_step`` for that batch, no
+                                safe point (no update); the position still advances
+a continued epoch with nothing  (a stop at the last batch of a stream without a length)
+left                            nothing: the epoch had ended; the next one starts
+an exception                    ``on_exception``, then it propagates: no epoch end, no
+                                ``on_fit_end``, no safe point (a checkpoint written before
+                                is what a resume continues)
+preemption (SIGTERM / SIGINT    the ``Checkpoint`` plugin saves at the next safe point
+with ``Checkpoint``)            and raises :class:`~hookloop.preemption.Preempted`:
+                                ``on_exception``, exit status 75; no ``on_fit_end``
+``fit`` on a finished run       ``on_fit_start``, ``on_fit_end`` (no sanity check, no
+(its limits reached, or         epoch; a warning); ``fit`` returns the last metrics. A run
+resumed where a stop ended it)  resumed where a stop ended its fit is that fit, stopped: the
+                                next ``fit`` trains on
+==============================  ===========================================================
+
+An evaluation at an update that ``eval_every`` already evaluated is not run
+again at that update's epoch end: ``on_epoch_end`` gets its metrics.
 
 **Steps are optimizer updates.** ``loop.state.global_step`` counts completed
 updates (one per accumulation group under ``gradient_accumulation_steps=k``;
@@ -172,6 +212,42 @@ def on_epoch_end(loop, epoch, metrics):
     .. versionadded:: 0.1
     .. versionchanged:: 0.2
         Also called when a stop or ``max_steps`` ends the epoch early.
+    """
+
+
+@hookspec
+def on_safe_point(loop, epoch_end, fit_end):
+    """Called where a checkpoint written now resumes exactly: dying right
+    after it and resuming does what the uninterrupted run does next.
+
+    That is after every update (once its ``after_step`` hooks and its
+    ``eval_every`` evaluation ran, with the random states put back as
+    training continues from them), and after every epoch end (after
+    ``on_epoch_end``, with the position already at the next epoch's start
+    when the epoch is over). An update at which a stop, ``end_epoch`` or
+    ``max_steps`` ends the epoch has no safe point of its own: the epoch
+    end is part of it, and its safe point follows. At the safe point of an
+    epoch's last update (the loop knows it when the data has a length or
+    was prepared by Accelerate) ``loop.state.epoch_end_reason`` is already
+    ``"data"``. The built-in ``Checkpoint`` plugin saves here (``trylast``);
+    saves asked for elsewhere (a monitored metric in ``on_eval_end``,
+    ``Checkpoint.save()`` from any hook) wait for the next one, so that a
+    step checkpoint and a monitor checkpoint of one update are one
+    checkpoint. :attr:`Loop.at_safe_point` is true meanwhile. Not called
+    after skipped batches, inside accumulation groups, or when an exception
+    ends the fit.
+
+    :param loop: the :class:`~hookloop.Loop`; ``loop.state`` is what a
+        checkpoint records (after an epoch end that is over: ``epoch`` is
+        the next one, ``step_in_epoch`` 0; ``epoch_end_reason`` says why
+        it ended).
+    :param epoch_end: True after an epoch end, False after an update.
+    :param fit_end: True at the fit's last safe point (after the epoch end
+        that finishes it); ``on_fit_end`` follows.
+
+    Return value ignored.
+
+    .. versionadded:: 0.3
     """
 
 

@@ -1,7 +1,13 @@
 """The loop: phases, state and hook calls. It owns *when*; plugins own *what*.
 
 Nothing here logs, clips, computes a loss or writes a file: each of those is
-a plugin. Read :meth:`Loop.fit` top to bottom to see the whole of training.
+a plugin. Read :meth:`Loop.fit` top to bottom to see the whole of training:
+it begins the fit, runs and ends epochs until the run is finished, and ends
+the fit. Everything a restart needs is in ``loop.state``
+(:class:`~hookloop.state.LoopState`); checkpoints are written by plugins at
+the loop's *safe points* (``on_safe_point``): after an update and every
+evaluation scheduled at it, and after each epoch's end, with the random
+states as training continues from them.
 """
 
 from __future__ import annotations
@@ -9,28 +15,27 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
-import sys
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderStateMixin
-from torch.utils.data import DataLoader
 
-from . import checkpointing
+from . import checkpointing, checks, evaluation, rng
 from . import manager as plugin_manager
 from .accelerate_fastpath import FastPath
-from .batches import length_of
+from .batches import abandon, length_of
 from .epoch_values import EpochValues
-from .network import Network
+from .network import Network, networks_from
+from .network import prepare as prepare_networks
 from .plugins import BUILTINS, FiniteCheck, ProgressBar
-from .state import LoopState
+from .state import DATA, END_EPOCH, MAX_STEPS, STOP, LoopState
 from .strategies import StepOutput, Supervised
+from .trackers import TrackerSession
 
 _NULL = contextlib.nullcontext()
-_END = object()
 
 
 class Loop:
@@ -79,16 +84,17 @@ class Loop:
         resume_from=None,
     ):
         self.strategy = strategy if strategy is not None else Supervised()
-        self.networks = _networks(model, optimizer, scheduler, networks, self.strategy)
+        self.networks = networks_from(model, optimizer, scheduler, networks, self.strategy)
         self.strategy.check_networks(self.networks)
         frozen = set(getattr(self.strategy, "frozen_networks", ()))
         #: the networks ``fit`` puts in train mode (not a strategy's frozen ones)
         self._trainable = [n for name, n in self.networks.items() if name not in frozen]
         if accelerator is not None:
-            _check_state_of(accelerator)
+            checks.accelerator_state(accelerator)
         self.accelerator = accelerator if accelerator is not None else Accelerator()
         self.train_data = train_data
         self.eval_data = eval_data
+        #: the run state: position, run identity, what a restart needs
         self.state = LoopState()
         self.plugins = plugin_manager.PluginManager()
         self.plugins.register_all(
@@ -98,23 +104,19 @@ class Loop:
         self._prepare_data = prepare
         self._prepared = weakref.WeakKeyDictionary()  # DataLoader -> prepared, for evaluate/predict
         if prepare:
-            self._prepare(frozen)
+            self.train_data, self.eval_data = prepare_networks(
+                self.accelerator, self.networks, frozen, self.train_data, self.eval_data)
         #: ``gradient_accumulation_steps`` as the loop was built (a checkpoint
         #: records it); a plugin may change it at update boundaries during a fit
         self.configured_accumulation = self.accelerator.gradient_accumulation_steps
         self._start_accumulation()  # read again when fit() starts
-        self._in_group = 0  # batches of the current accumulation group trained so far
-        self._evaluated_at = None  # the global_step of the last eval_every evaluation
-        self._in_guard = False
-        self._train_values = EpochValues()  # loop.log(on_epoch=True) while training
-        self._eval_values = EpochValues()  # ... while evaluating
-        self._started_trackers = False
-        self._fitting = False
-        self._epoch_rng = None  # what this epoch's data iterator started from (for resume)
-        self._resume = None  # how to continue after load_checkpoint, used by fit
+        self._eval_values = EpochValues()  # loop.log(on_epoch=True) during an evaluation
+        self._resume = None  # how to continue after load_checkpoint, used by the next epoch
+        self._trackers = TrackerSession(self.accelerator)
+        self._safe = False  # inside on_safe_point
         #: the checkpoint directory the last :meth:`load_checkpoint` restored
         self.resumed_from = None
-        _close_at_exit(self)
+        _open_loops.add(self)
         if resume_from is not None:
             self.load_checkpoint(resume_from)
 
@@ -134,8 +136,7 @@ class Loop:
         once, without accumulation) and finish the fit: the epoch's
         evaluation and ``on_epoch_end`` still run; the next ``fit``
         continues the epoch where it stopped."""
-        self.state.should_stop = True
-        self.state.stop_reason = reason
+        self.state.stop(reason)
 
     def skip_batch(self):
         """From ``before_step``: do not train on the current batch."""
@@ -147,6 +148,12 @@ class Loop:
         evaluation and ``on_epoch_end`` run, then the next epoch starts with
         its first batch; the rest of this epoch's batches are not trained."""
         self.state.end_epoch = True
+
+    @property
+    def at_safe_point(self) -> bool:
+        """Whether a checkpoint written now would resume exactly: inside
+        ``on_safe_point``, or outside ``fit`` / ``evaluate`` / ``predict``."""
+        return self._safe or self.state.stage is None
 
     def log(self, values: Mapping[str, Any], *, on_step: bool = True, on_epoch: bool = False,
             reduce: str = "mean") -> None:
@@ -165,19 +172,21 @@ class Loop:
             (``on_epoch_end``, the epoch-end ``on_eval_end``, what ``fit``
             returns). Logged during an evaluation, they go into that
             evaluation's metrics. Tensors stay on the device until the end
-            of the epoch: no sync per step.
+            of the epoch: no sync per step. The epoch's values so far are
+            part of every checkpoint: an epoch interrupted and resumed
+            reduces the same values as one that was not.
         """
         if on_epoch:
             stage = self.state.stage
             if stage == "eval":
                 self._eval_values.add(values, reduce)
             elif stage not in ("sanity_check", "predict"):
-                self._train_values.add(values, reduce)
+                self.state.logged.add(values, reduce)
         if on_step:
             acc = self.accelerator
             if not acc.is_main_process:
                 return
-            if not acc.trackers and not (self._fitting and self.start_trackers()):
+            if not acc.trackers and not (self._trackers.fitting and self.start_trackers()):
                 return  # nobody to write to: nothing read
             acc.log({k: v.item() if isinstance(v, torch.Tensor) else v for k, v in values.items()},
                     step=self.state.global_step)
@@ -191,22 +200,7 @@ class Loop:
         ``fit`` calls it with the defaults after ``on_fit_start``; a plugin
         calls it in ``on_fit_start`` to choose the project name or store a
         run configuration. Returns whether trackers are running."""
-        acc = self.accelerator
-        if acc.trackers or not acc.log_with:
-            return bool(acc.trackers)
-        acc.init_trackers(project_name, config=config, init_kwargs=init_kwargs or {})
-        self._started_trackers = True
-        return bool(acc.trackers) or not acc.is_main_process
-
-    def _end_trackers(self):
-        if self._started_trackers:
-            self._started_trackers = False
-            acc = self.accelerator
-            for tracker in acc.trackers:
-                tracker.finish()
-            # the next fit starts them afresh; not accelerator.end_training(),
-            # which also destroys the process group
-            acc.trackers = []
+        return self._trackers.start(project_name, config, init_kwargs)
 
     def accumulate(self, *models):
         """``accelerator.accumulate(*models)`` when gradient accumulation is
@@ -230,7 +224,7 @@ class Loop:
         updates = -(-per_epoch // k) if isinstance(self.train_data, DataLoaderStateMixin) else per_epoch // k
         return state.max_epochs * updates
 
-    # -- training ---------------------------------------------------------
+    # -- training: fit and its phases ------------------------------------------
 
     def fit(self, epochs: int | None = None, *, max_steps: int | None = None,
             eval_every: int | None = None, sanity_check: bool = True,
@@ -238,12 +232,15 @@ class Loop:
         """Train until ``state.epoch == epochs`` or ``state.global_step ==
         max_steps`` (exactly one of them; steps are optimizer updates), or
         until a plugin calls :meth:`stop`. Counts are totals over the run, so
-        a second ``fit`` (or a resumed one) continues where the state is.
+        a second ``fit`` (or a resumed one) continues where the state is; a
+        run already there trains nothing (a warning names its position).
 
         Every epoch ends the same way, whether its data ran out or a stop or
         ``max_steps`` ended it early: ``on_train_epoch_end``, the evaluation
-        (with ``eval_data``), ``on_epoch_end``. An epoch ended early stays
-        the current epoch: the next ``fit`` continues it.
+        (with ``eval_data``), ``on_epoch_end``, then a safe point. An epoch
+        ended early stays the current epoch: the next ``fit`` continues it.
+        ``hookspecs.py`` has the table of which hooks run for each way a fit
+        or an epoch ends.
 
         :param eval_every: also evaluate every N updates (``on_eval_start`` /
             ``on_eval_end``, not the epoch hooks); not again at an epoch's
@@ -256,107 +253,174 @@ class Loop:
         :param resume_from: first restore this checkpoint, as
             :meth:`load_checkpoint` does.
 
-        :return: the metrics of the last epoch (``{}`` without ``eval_data``).
+        :return: the metrics of the run's last epoch (``{}`` without
+            ``eval_data`` or ``loop.log(on_epoch=True)`` values).
         """
-        state = self.state
-        _check_run_length(epochs, max_steps)
-        _check_positive("eval_every", eval_every)
-        _check_data(self.train_data)
+        checks.run_length(epochs, max_steps)
+        checks.positive("eval_every", eval_every)
+        checks.train_data(self.train_data)
         if eval_every is not None and self.eval_data is None:
             raise ValueError("fit(eval_every=...) needs eval_data: pass eval_data=... to Loop(...)")
         if resume_from is not None:
             self.load_checkpoint(resume_from)
-        state.max_epochs, state.max_steps = epochs, max_steps
-        state.should_stop, state.stop_reason, state.skip_batch = False, None, False
-        state.end_epoch = False
-        metrics: dict = {}
-        # trackers end last, after on_exception: a plugin may still log there
-        with self._trackers_for_fit(), self._guard(), self._stage("train"):
-            self._train_values.clear()
-            self.hook.on_fit_start(loop=self)
-            self.start_trackers()  # unless a plugin started them in on_fit_start
-            self._start_accumulation()  # after on_fit_start: a plugin may set it there
-            self._in_group, self._evaluated_at = 0, None
-            if sanity_check and self.eval_data is not None:
-                self._sanity_check()
-            hook = self.hook  # fixed for the run: plugins are set by now
-            while not self._finished():
-                epoch = state.epoch
-                for network in self._trainable:
-                    network.model.train()
-                resume, self._resume = self._resume, None
-                if resume is not None and not state.step_in_epoch:
-                    resume.restore_now(self.train_data)  # resumed at an epoch boundary
-                if hasattr(self.train_data, "set_epoch"):
-                    self.train_data.set_epoch(epoch)
-                state.end_epoch = False  # asked after the last epoch's training: nothing to end
-                hook.on_epoch_start(loop=self, epoch=epoch)
-                loaders_before = list(self.accelerator.gradient_state.dataloader_references)
-                if state.step_in_epoch:  # continuing mid-epoch: same batches, none replayed
-                    batches = self._rest_of_epoch(resume)
-                else:
-                    self._epoch_rng = checkpointing.capture_epoch(self.train_data)
-                    batches = self._fastpath.batches(self.train_data)
-                state.epoch_complete = self._train_epoch(hook, batches, max_steps, eval_every,
-                                                         loaders_before)
-                hook.on_train_epoch_end(loop=self, epoch=epoch)
-                metrics = self._train_values.reduce(self.accelerator)  # loop.log(on_epoch=True)
-                if self.eval_data is not None:
-                    # an epoch ended early evaluates without a trace in the random
-                    # states: the next fit continues the epoch as if it had not stopped
-                    metrics = self._evaluate(self.eval_data, keep_rng=not state.epoch_complete,
-                                             metrics=metrics)
-                hook.on_epoch_end(loop=self, epoch=epoch, metrics=metrics)
-                if state.epoch_complete:
-                    state.epoch += 1
-                    state.step_in_epoch = 0
-                state.epoch_complete = False
-            hook.on_fit_end(loop=self)
-        return metrics
-
-    def _train_epoch(self, hook, batches, max_steps, eval_every, loaders_before) -> bool:
-        """Train on ``batches``; True if they ran out, False if a stop or
-        ``max_steps`` ended the epoch (always at an update boundary)."""
         state = self.state
+        state.start_fit(epochs, max_steps)
+        if state.stopped is not None and self._resume is not None:
+            state.stop(state.stopped)  # resumed where a stop ended the fit: it stays stopped
+        state.stopped = None
+        if state.finished:
+            checks.warn_nothing_to_do(state, epochs, max_steps)
+        # trackers end last, after on_exception: a plugin may still log there
+        with self._trackers.for_fit(), self.plugins.guard(self), self._stage("train"):
+            self._begin_fit(sanity_check and not state.finished)
+            while not state.finished:
+                reason = self._run_epoch(eval_every)
+                self._end_epoch(reason)
+            self._end_fit()
+        return dict(state.last_metrics)
+
+    def _begin_fit(self, sanity_check: bool) -> None:
+        """``on_fit_start``, trackers, this fit's accumulation, the sanity check."""
+        self.hook.on_fit_start(loop=self)
+        self.start_trackers()  # unless a plugin started them in on_fit_start
+        self._start_accumulation()  # after on_fit_start: a plugin may set it there
+        if sanity_check and self.eval_data is not None:
+            with self._stage("sanity_check"):
+                evaluation.sanity_check(self, self.eval_data)
+
+    def _run_epoch(self, eval_every) -> str:
+        """Train the current epoch, or the rest of it; return why it ended
+        (:data:`~hookloop.state.DATA`, ``END_EPOCH``, ``STOP``, ``MAX_STEPS``)."""
+        state = self.state
+        for network in self._trainable:
+            network.model.train()
+        resume, self._resume = self._resume, None
+        if resume is not None and not state.step_in_epoch:
+            resume.restore_now(self.train_data)  # resumed at an epoch boundary
+        if hasattr(self.train_data, "set_epoch"):
+            self.train_data.set_epoch(state.epoch)
+        state.end_epoch = False  # asked after the last epoch's training: nothing to end
+        loaders_before = list(self.accelerator.gradient_state.dataloader_references)
+        if state.step_in_epoch:  # continuing an epoch: the same batches, none replayed
+            batches = self._rest_of_epoch(resume)
+            if batches is None:
+                return DATA  # nothing was left of it
+            self.hook.on_epoch_start(loop=self, epoch=state.epoch)
+        else:
+            self.hook.on_epoch_start(loop=self, epoch=state.epoch)
+            state.epoch_start = rng.capture_epoch(self.train_data)
+            batches = self._fastpath.batches(self.train_data)
+        return self._train(batches, eval_every, loaders_before)
+
+    def _train(self, batches, eval_every, loaders_before) -> str:
+        """The batch loop: every batch, then at each update its scheduled
+        evaluation and its safe point. Returns why the epoch ended."""
+        state, hook = self.state, self.hook
         gradient_state = self.accelerator.gradient_state
         settings = gradient_state.plugin_kwargs  # holds gradient_accumulation_steps
         k = self._accumulation
+        in_group = 0  # batches of the current accumulation group trained so far
         length = length_of(self.train_data)  # batches in a whole epoch, if known
+        prepared = isinstance(self.train_data, DataLoaderStateMixin)  # knows its last batch
         for batch in batches:
             hook.before_step(loop=self, batch=batch)
             state.step_in_epoch += 1
+            state.epoch_ended = False
             if settings.get("num_steps", 1) != k:  # set by a plugin since the last batch
-                k = self._change_accumulation(settings.get("num_steps", 1))
+                k = self._change_accumulation(settings.get("num_steps", 1), in_group)
+            updated = False
             if state.skip_batch:
                 state.skip_batch = False
             else:
                 result = hook.training_step(loop=self, batch=batch)
                 if type(result) is not StepOutput:
-                    result = _step_output(self, result)
+                    result = checks.step_output(self, result)
                 if settings.get("num_steps", 1) != k:
-                    _accumulation_changed_inside_step(k, settings.get("num_steps", 1))
+                    checks.accumulation_changed_inside_step(k, settings.get("num_steps", 1))
                 state.micro_step += 1
                 if k == 1 or gradient_state.sync_gradients:
                     state.global_step += 1
-                    self._in_group = 0
+                    in_group, updated = 0, True
                 else:
-                    self._in_group += 1
+                    in_group += 1
                 hook.after_step(loop=self, batch=batch, outputs=result.outputs, loss=result.loss)
-            if self._in_group:
-                continue  # a stop or an evaluation waits for the end of the accumulation group
-            if state.should_stop or state.end_epoch or (
-                    max_steps is not None and state.global_step >= max_steps):
-                _abandon(batches, self.accelerator, loaders_before)
-                if state.end_epoch:
-                    state.end_epoch = False
-                    return True  # over, as if the data had run out
-                return length is not None and state.step_in_epoch >= length
-            if (eval_every is not None and state.global_step % eval_every == 0
-                    and state.global_step != self._evaluated_at
-                    and not (length is not None and state.step_in_epoch >= length)):
-                self._evaluate(self.eval_data, keep_rng=True)
-                self._evaluated_at = state.global_step
-        return True
+            if in_group:
+                continue  # a stop, an evaluation, a safe point: at the end of the accumulation group
+            last = ((length is not None and state.step_in_epoch >= length)
+                    or (prepared and gradient_state.end_of_dataloader))
+            reason = None if last else self._early_end()
+            if reason is None and updated:
+                if (eval_every is not None and not last and state.global_step % eval_every == 0
+                        and state.global_step != state.evaluated_at):
+                    state.evaluation = self._evaluate(self.eval_data, keep_rng=True)
+                    state.evaluated_at = state.global_step
+                    reason = self._early_end()  # asked by the evaluation (early stopping)
+                if reason is None:
+                    if last:  # the epoch's end follows; its evaluation is this update's
+                        state.epoch_end_reason = DATA
+                    self._safe_point(epoch_end=False)
+                    reason = None if last else self._early_end()
+            if reason is not None:
+                abandon(batches, self.accelerator, loaders_before)
+                return reason
+        return DATA
+
+    def _early_end(self) -> str | None:
+        """Why the epoch ends at this update boundary before its data ran
+        out, or None: it goes on."""
+        state = self.state
+        if state.end_epoch:
+            return END_EPOCH
+        if state.should_stop:
+            return STOP
+        if state.max_steps is not None and state.global_step >= state.max_steps:
+            return MAX_STEPS
+        return None
+
+    def _end_epoch(self, reason: str) -> None:
+        """``on_train_epoch_end``, the evaluation, ``on_epoch_end``; the next
+        epoch's start when this one is over; the epoch's safe point."""
+        state, hook = self.state, self.hook
+        if reason == DATA and state.epoch_ended:
+            # continued an epoch whose end already ran (a stop at a stream's
+            # last batch, whose length is unknown) and found nothing left
+            state.new_epoch()
+            return
+        epoch = state.epoch
+        complete = reason in (DATA, END_EPOCH)
+        state.epoch_complete, state.epoch_end_reason = complete, reason
+        hook.on_train_epoch_end(loop=self, epoch=epoch)
+        # an epoch ended early keeps its loop.log values: the next fit continues it
+        metrics = state.logged.reduce(self.accelerator, clear=complete)
+        if self.eval_data is not None:
+            if state.evaluated_at == state.global_step and state.evaluated_at is not None:
+                metrics = {**metrics, **state.evaluation}  # this update's evaluation (eval_every)
+            else:
+                # an epoch ended early evaluates without a trace in the random
+                # states: the next fit continues the epoch as if it had not stopped
+                metrics = self._evaluate(self.eval_data, keep_rng=not complete, metrics=metrics)
+        hook.on_epoch_end(loop=self, epoch=epoch, metrics=metrics)
+        state.last_metrics = dict(metrics)
+        if reason == STOP:
+            state.stopped = state.stop_reason or "loop.stop()"
+        state.epoch_complete = False
+        if complete:
+            state.new_epoch()
+        else:
+            state.epoch_ended = True
+        self._safe_point(epoch_end=True, fit_end=state.finished)
+        state.epoch_end_reason = None
+
+    def _end_fit(self) -> None:
+        self.hook.on_fit_end(loop=self)
+
+    def _safe_point(self, epoch_end: bool, fit_end: bool = False) -> None:
+        """``on_safe_point``: a checkpoint written now resumes exactly."""
+        self._safe = True
+        try:
+            self.hook.on_safe_point(loop=self, epoch_end=epoch_end, fit_end=fit_end)
+        finally:
+            self._safe = False
 
     def _start_accumulation(self):
         """Read ``gradient_accumulation_steps`` for this fit (a plugin may set
@@ -368,36 +432,37 @@ class Loop:
         acc.step = 0
         self._fastpath = FastPath(acc)
 
-    def _change_accumulation(self, new: int) -> int:
+    def _change_accumulation(self, new: int, in_group: int) -> int:
         """``gradient_accumulation_steps`` changed between two batches: taken
         from this batch on if it starts an accumulation group, else refused
         (the open group would be divided by one number and synchronised at
         another)."""
-        if self._in_group:
-            raise ValueError(
-                f"gradient_accumulation_steps changed from {self._accumulation} to {new} "
-                f"{self._in_group} batch(es) into an accumulation group (update "
-                f"{self.state.global_step + 1}): change it only at an update boundary, e.g. in "
-                "on_epoch_start, or in after_step when loop.accelerator.sync_gradients is true"
-            )
+        if in_group:
+            checks.accumulation_changed_in_group(self._accumulation, new, in_group,
+                                                 self.state.global_step + 1)
         self._start_accumulation()
         return self._accumulation
 
     def _rest_of_epoch(self, resume):
         """The batches of the current epoch after ``state.step_in_epoch``, in
-        the order the epoch drew: its iterator is started from the random
+        the order the epoch drew (its iterator is started from the random
         state the epoch started from, then the random state is put back
-        where the run stopped."""
+        where the run stopped), or None if none is left of an epoch whose
+        end already ran."""
+        state = self.state
         if resume is None:  # a second fit() in this process
-            resume = checkpointing.Resume(epoch_start=self._epoch_rng, rng=checkpointing.capture_rng())
-        self._epoch_rng = resume.epoch_start
-        return resume.batches(self.accelerator, self.train_data, self.state.step_in_epoch)
+            resume = rng.Resume(epoch_start=state.epoch_start, rng=rng.capture_rng())
+        state.epoch_start = resume.epoch_start
+        return resume.batches(self.accelerator, self.train_data, state.step_in_epoch,
+                              none_if_empty=state.epoch_ended)
+
+    # -- checkpoints ---------------------------------------------------------------
 
     def load_checkpoint(self, path="latest", *, strict: bool = True, trust_pickles=()):
         """Restore a checkpoint written by :class:`hookloop.plugins.Checkpoint`:
         every network's model, optimizer and scheduler, every process's
-        random states, the loop position and each stateful plugin's state;
-        the next :meth:`fit` continues exactly where that run was.
+        random states, the run state and each stateful plugin's state; the
+        next :meth:`fit` continues exactly where that run was.
 
         Everything is checked before anything changes; a missing, foreign or
         truncated checkpoint, one from another model shape, another number
@@ -417,45 +482,17 @@ class Loop:
             ``docs/checkpoints.md``).
         :return: the checkpoint directory, or None (``"latest"``, none saved).
         """
-        root = self._checkpoint_root()
+        root = checkpointing.checkpoint_root(self)
         if path == "best":
-            path = self._best_checkpoint(root)
-        resolved = checkpointing.resolve(path, root)
-        if resolved is None:
+            path = checkpointing.best_checkpoint_path(self)
+        found, staged = checkpointing.find(path, root)
+        if found is None:
             self.print(f"hookloop: no checkpoint in {root} yet: starting from scratch")
             return None
-        self._resume = checkpointing.load(self, resolved, strict=strict,
+        self._resume = checkpointing.load(self, found, strict=strict, staged=staged,
                                           trust_pickles=list(trust_pickles) or None)
-        self.resumed_from = resolved
-        return resolved
-
-    def _best_checkpoint(self, root):
-        plugin = next((p for p in checkpointing.checkpoint_plugins(self) if getattr(p, "monitor", None)),
-                      None)
-        if plugin is None:
-            raise checkpointing.CheckpointError(
-                "load_checkpoint('best') needs a Checkpoint(monitor=...) plugin: it ranks the "
-                "checkpoints by the metric they were saved with"
-            )
-        found = plugin.best_checkpoint(self, mine=False)
-        if found is None:
-            raise checkpointing.CheckpointError(
-                f"load_checkpoint('best'): no checkpoint in {plugin.directory(self)} "
-                f"records {plugin.monitor!r} yet"
-            )
-        return found[1]
-
-    def _checkpoint_root(self):
-        # the first Checkpoint plugin found by type, whatever its name (issue 11)
-        return checkpointing.checkpoint_root(self)
-
-    def _finished(self) -> bool:
-        state = self.state
-        return (
-            state.should_stop
-            or (state.max_steps is not None and state.global_step >= state.max_steps)
-            or (state.max_epochs is not None and state.epoch >= state.max_epochs)
-        )
+        self.resumed_from = found
+        return found
 
     # -- evaluation and prediction -------------------------------------------
 
@@ -470,8 +507,8 @@ class Loop:
             returned, averaged over every example (the same on every
             process), plus what ``on_eval_end`` implementations added.
         """
-        data = self._eval_loader(data)
-        with self._guard(), self._stage("eval"):
+        data = evaluation.loader_for(self, data)
+        with self.plugins.guard(self):
             return self._evaluate(data, keep_rng=True)
 
     def predict(self, data) -> Any:
@@ -482,13 +519,9 @@ class Loop:
         dicts too). No gradients; the networks' train/eval modes are
         restored afterwards. ``loop.state.stage`` is ``"predict"`` meanwhile.
         """
-        data = self._eval_loader(data, required=True)
-        gather = self.accelerator.gather_for_metrics
-        parts = []
-        with self._guard(), self._stage("predict"), self._eval_mode(), torch.no_grad():
-            for batch in data:
-                parts.append(gather(self._eval_outputs(batch)))
-        return _concat(parts)
+        data = evaluation.loader_for(self, data, required=True)
+        with self.plugins.guard(self), self._stage("predict"):
+            return evaluation.predict(self, data)
 
     def _evaluate(self, data, keep_rng: bool, metrics: dict | None = None) -> dict:
         """One evaluation. ``keep_rng``: put the global random states back
@@ -497,100 +530,10 @@ class Loop:
         Only the evaluation at the end of a whole epoch draws, as the
         hand-written Accelerate loop's does. ``metrics``: entries to start
         from (the epoch's ``loop.log(on_epoch=True)`` values)."""
-        hook = self.hook
-        state = self.state
-        stage, state.stage = state.stage, "eval"
-        sums: dict = {}
-        counts: dict = {}
-        rng = checkpointing.capture_rng() if keep_rng else None
-        self._eval_values.clear()
-        try:
-            with self._eval_mode():
-                hook.on_eval_start(loop=self)
-                with torch.no_grad():
-                    for batch in data:
-                        outputs = self._eval_outputs(batch)
-                        for values in hook.after_eval_step(loop=self, batch=batch, outputs=outputs):
-                            _add_metrics(self, values, sums, counts)
-                means = [sums[key] / max(counts[key], 1) for key in sums]
-                metrics = {**(metrics or {}), **self._eval_values.reduce(self.accelerator)}
-                metrics.update(zip(sums, torch.stack(means).tolist()) if means else ())
-                hook.on_eval_end(loop=self, metrics=metrics)
-        finally:
-            state.stage = stage
-            if rng is not None:
-                checkpointing.restore_rng(rng)
-        return metrics
+        with self._stage("eval"), (rng.keep_rng() if keep_rng else _NULL):
+            return evaluation.run(self, data, self._eval_values, metrics)
 
-    def _eval_outputs(self, batch):
-        outputs = self.hook.eval_step(loop=self, batch=batch)
-        if outputs is None:
-            raise TypeError(
-                f"no plugin returned a result from eval_step for strategy "
-                f"{self.strategy.name!r}: implement eval_step (return the model's outputs for "
-                "the batch) to evaluate or predict"
-            )
-        return outputs
-
-    def _sanity_check(self):
-        """One batch of ``eval_data`` through ``eval_step`` and
-        ``after_eval_step``, with every random state put back afterwards."""
-        data = self.eval_data
-        state = self.state
-        rng = checkpointing.capture_rng()
-        generators = {path: g.get_state() for path, g in checkpointing.data_generators(data).items()}
-        stage, state.stage = state.stage, "sanity_check"
-        loaders_before = list(self.accelerator.gradient_state.dataloader_references)
-        batches = iter(data)
-        try:
-            batch = next(batches, _END)
-            if batch is _END:
-                raise ValueError("eval_data is empty (0 batches): check the dataset and batch_size")
-            with self._eval_mode(), torch.no_grad():
-                outputs = self._eval_outputs(batch)
-                for values in self.hook.after_eval_step(loop=self, batch=batch, outputs=outputs):
-                    _add_metrics(self, values, {}, {})
-        finally:
-            state.stage = stage
-            _abandon(batches, self.accelerator, loaders_before)
-            checkpointing.restore_rng(rng)
-            checkpointing._restore_generators(data, generators)
-
-    def _eval_loader(self, data, required=False):
-        if data is None:
-            if required or self.eval_data is None:
-                raise ValueError(
-                    "no data to evaluate: pass evaluate(data=...), or eval_data=... to Loop(...)"
-                    if not required else "predict(data) needs data: a DataLoader"
-                )
-            return self.eval_data
-        if not self._prepare_data or not isinstance(data, DataLoader) or isinstance(data, DataLoaderStateMixin):
-            return data
-        prepared = self._prepared.get(data)
-        if prepared is None:
-            prepared = self._prepared[data] = self.accelerator.prepare_data_loader(data)
-        return prepared
-
-    @contextlib.contextmanager
-    def _eval_mode(self):
-        """Every network in eval mode; the modes they had put back after."""
-        modes = [(n.model, n.model.training) for n in self.networks.values()]
-        for model, _ in modes:
-            model.eval()
-        try:
-            yield
-        finally:
-            for model, training in modes:
-                model.train(training)
-
-    @contextlib.contextmanager
-    def _trackers_for_fit(self):
-        self._fitting = True
-        try:
-            yield
-        finally:
-            self._fitting = False
-            self._end_trackers()
+    # -- context of a fit ------------------------------------------------------------
 
     @contextlib.contextmanager
     def _stage(self, stage):
@@ -600,64 +543,6 @@ class Loop:
             yield
         finally:
             state.stage = before
-
-    @contextlib.contextmanager
-    def _guard(self):
-        """Call ``on_exception`` for anything that escapes, and name the
-        plugin and hook an exception came out of in a note on the exception
-        (``except ValueError`` around ``fit`` still catches a model's
-        ``ValueError``). Only the outermost guard (``fit``, or a lone
-        ``evaluate`` / ``predict``) acts."""
-        if self._in_guard:
-            yield
-            return
-        self._in_guard = True
-        try:
-            yield
-        except BaseException as exc:
-            try:
-                self.plugins.hook.on_exception(loop=self, exception=exc)
-            except Exception as hook_exc:  # keep the original error first
-                exc.__context__ = hook_exc
-            culprit = self.plugins.culprit(exc) if isinstance(exc, Exception) else None
-            if culprit is not None:
-                plugin, hook = culprit
-                _add_note(exc, f"hookloop: raised in hook {hook!r} of plugin {plugin!r} "
-                               f"({self.plugins.sources.get(plugin, '?')})")
-            raise  # the same exception object, its type and traceback unchanged
-        finally:
-            self._in_guard = False
-
-    # -- set-up -------------------------------------------------------------
-
-    def _prepare(self, frozen):
-        for name in frozen:  # evaluation_mode: no DDP wrapper, nothing to synchronise
-            network = self.networks[name]
-            network.model = self.accelerator.prepare_model(network.model, evaluation_mode=True)
-            network.model.eval()
-        networks = [n for name, n in self.networks.items() if name not in frozen]
-        with_opt = [n for n in networks if n.optimizer is not None]
-        with_sched = [n for n in networks if n.scheduler is not None]
-        data = [d for d in (self.train_data, self.eval_data) if d is not None]
-        prepared = self.accelerator.prepare(
-            *(n.model for n in networks),
-            *(n.optimizer for n in with_opt),
-            *data,
-            *(n.scheduler for n in with_sched),
-        )
-        if not isinstance(prepared, tuple):
-            prepared = (prepared,)
-        it = iter(prepared)
-        for n in networks:
-            n.model = next(it)
-        for n in with_opt:
-            n.optimizer = next(it)
-        if self.train_data is not None:
-            self.train_data = next(it)
-        if self.eval_data is not None:
-            self.eval_data = next(it)
-        for n in with_sched:
-            n.scheduler = next(it)
 
     def close(self):
         """Release the prepared objects (the loop cannot train afterwards).
@@ -675,73 +560,14 @@ class Loop:
         self._prepared = weakref.WeakKeyDictionary()
         self._fastpath.forget()
         try:
-            self._end_trackers()
+            self._trackers.end()
             self.accelerator.free_memory()
         except Exception:  # noqa: BLE001 - best effort
             pass
         gc.collect()
 
 
-def _networks(model, optimizer, scheduler, networks, strategy) -> dict[str, Network]:
-    if networks is not None:
-        if model is not None or optimizer is not None or scheduler is not None:
-            raise ValueError("pass either model=/optimizer=/scheduler= or networks=, not both")
-        if not isinstance(networks, Mapping) or not networks:
-            raise ValueError("networks= must be a non-empty dict of name -> Network(...)")
-        out = {}
-        for name, network in networks.items():
-            if not isinstance(network, Network):
-                raise TypeError(
-                    f"networks[{name!r}] is a {type(network).__name__}: wrap it as "
-                    f"Network(model, optimizer, scheduler=None)"
-                )
-            network.name = name
-            out[name] = network
-    else:
-        if model is None:
-            raise ValueError("Loop needs model=... (one network) or networks={...}")
-        out = {"model": Network(model, optimizer, scheduler, name="model")}
-    for name, network in out.items():
-        if not isinstance(network.model, torch.nn.Module):
-            raise TypeError(
-                f"network {name!r}: model is a {type(network.model).__name__}, "
-                "not a torch.nn.Module"
-            )
-        if network.optimizer is None and name not in getattr(strategy, "frozen_networks", ()):
-            raise ValueError(
-                f"network {name!r} has no optimizer, and the strategy {strategy.name!r} trains "
-                "it (only a strategy's frozen_networks may have none)"
-            )
-    return out
-
-
-def _check_run_length(epochs, max_steps):
-    if (epochs is None) == (max_steps is None):
-        raise ValueError(
-            f"fit() takes exactly one of epochs=N or max_steps=N (got epochs={epochs!r}, "
-            f"max_steps={max_steps!r})"
-        )
-    for label, value in (("epochs", epochs), ("max_steps", max_steps)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"fit(): {label} must be a positive int, got {value!r}")
-
-
-def _check_data(data):
-    if data is None:
-        raise ValueError("this Loop has no train_data: pass train_data=... to Loop(...)")
-    try:
-        n = len(data)
-    except TypeError:
-        return
-    if n == 0:
-        raise ValueError("train_data is empty (0 batches): check the dataset and batch_size")
-
-
 _open_loops: "weakref.WeakSet[Loop]" = weakref.WeakSet()
-
-
-def _close_at_exit(loop):
-    _open_loops.add(loop)
 
 
 @atexit.register
@@ -760,117 +586,3 @@ def _close_open_loops():
             pass
 
 
-def _check_state_of(accelerator):
-    """An ``Accelerator`` whose process-wide state was reset after it was
-    made (creating ``transformers.TrainingArguments`` does that) fails later
-    with an obscure ``AttributeError``: say what happened instead."""
-    from accelerate.state import AcceleratorState
-
-    if not AcceleratorState._shared_state:
-        raise RuntimeError(
-            "accelerator=: Accelerate's process-wide state was reset after this Accelerator was "
-            "created (creating transformers.TrainingArguments does that). Create the "
-            "TrainingArguments first, or pass them accelerator_config={'use_configured_state': True}"
-        )
-
-
-def _check_positive(label, value):
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"fit(): {label} must be a positive int or None, got {value!r}")
-
-
-def _abandon(batches, accelerator, before):
-    """Stop iterating prepared dataloaders before their end. Accelerate
-    unregisters a dataloader from its gradient state only when its iteration
-    runs out; an abandoned one would stay the "active" dataloader. ``before``:
-    the gradient state's dataloaders before the iteration began (the ones
-    since are ended: the loader itself, or the copy that skips a resumed
-    epoch's first batches)."""
-    close = getattr(batches, "close", None)
-    if close is not None:
-        close()
-    references = accelerator.gradient_state.dataloader_references
-    for loader in [r for r in references if r is not None and all(r is not b for b in before)]:
-        if isinstance(loader, DataLoaderStateMixin):
-            loader.end()
-
-
-def _step_output(loop, result):
-    if isinstance(result, StepOutput):
-        return result
-    impls = [i.plugin_name for i in reversed(loop.plugins.pm.hook.training_step.get_hookimpls())]
-    what = "no plugin returned a result" if result is None else f"it returned {type(result).__name__}"
-    raise TypeError(
-        f"training_step must return hookloop.StepOutput(outputs, loss): {what} "
-        f"(training_step plugins, first called first: {', '.join(impls)})"
-    )
-
-
-def _accumulation_changed_inside_step(before, now):
-    raise ValueError(
-        f"gradient_accumulation_steps changed from {before} to {now} inside training_step: "
-        "this batch's loss was already divided by one and synchronised at the other. Change it "
-        "only at an update boundary, e.g. in on_epoch_start, or in after_step when "
-        "loop.accelerator.sync_gradients is true"
-    )
-
-
-def _add_metrics(loop, values, sums, counts):
-    """Add one ``after_eval_step`` result (per-example values) to the sums."""
-    if not isinstance(values, Mapping) or not all(isinstance(v, torch.Tensor) for v in values.values()):
-        impls = [i.plugin_name for i in reversed(loop.plugins.pm.hook.after_eval_step.get_hookimpls())]
-        raise TypeError(
-            "after_eval_step must return None or a dict {metric name: tensor of per-example "
-            f"values}}, got {type(values).__name__} {_short(values)} (after_eval_step plugins: "
-            f"{', '.join(impls)})"
-        )
-    for key, value in values.items():
-        value = value.detach().to(torch.float64)
-        sums[key] = sums.get(key, 0.0) + value.sum()
-        counts[key] = counts.get(key, 0) + value.numel()
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) < 60 else text[:57] + "..."
-
-
-def _concat(parts):
-    """Batches of gathered outputs joined into one: tensors on dim 0, the
-    same structure around them."""
-    if not parts:
-        return None
-    first = parts[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat([p.reshape(1) if p.ndim == 0 else p for p in parts])
-    if isinstance(first, Mapping):
-        joined = {key: _concat([p[key] for p in parts]) for key in first}
-        try:
-            return type(first)(**joined)  # a Hugging Face ModelOutput, a dict subclass
-        except TypeError:
-            return type(first)(joined)
-    if isinstance(first, tuple) and hasattr(first, "_fields"):
-        return type(first)(*(_concat([p[i] for p in parts]) for i in range(len(first))))
-    if isinstance(first, Sequence) and not isinstance(first, (str, bytes)):
-        return type(first)(_concat([p[i] for p in parts]) for i in range(len(first)))
-    if first is None:
-        return None
-    return list(parts)
-
-
-def _add_note(exc: BaseException, note: str) -> None:
-    """``exc.add_note(note)``; on Python 3.10 the same ``__notes__`` list,
-    which the ``exceptiongroup`` backport prints in tracebacks."""
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-        return
-    notes = getattr(exc, "__notes__", None)
-    if not isinstance(notes, list):
-        notes = []
-    notes.append(note)
-    exc.__notes__ = notes
-    if sys.version_info < (3, 11):
-        try:
-            import exceptiongroup  # noqa: F401 - patches traceback printing of __notes__
-        except ImportError:
-            pass

@@ -23,6 +23,7 @@ The names other modules import from here keep working: the ones now in
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import sys
@@ -44,7 +45,7 @@ from .discovery import (  # noqa: F401 - hookloop.manager's names, as before
     discover,
     warn_broken,
 )
-from .errors import PluginLoadError, PluginValidationError
+from .errors import PluginLoadError, PluginValidationError, add_note
 from .markers import PROJECT_NAME
 from .relay import HookRelay
 from .validation import (  # noqa: F401 - hookloop.manager's names, as before
@@ -70,6 +71,7 @@ class PluginManager:
         self.sources: dict[str, str] = {}
         #: hooks whose trylast order could not be applied (warned once each)
         self._unordered: set[str] = set()
+        self._guarding = False  # inside guard(): only the outermost acts
         self.hook = HookRelay(self.pm)
         if os.environ.get(ENV_TRACE):
             self._enable_tracing()
@@ -203,6 +205,33 @@ class PluginManager:
 
     def get(self, name: str):
         return self.pm.get_plugin(name)
+
+    @contextlib.contextmanager
+    def guard(self, loop):
+        """Call ``on_exception`` for anything that escapes the block, and name
+        the plugin and hook an exception came out of in a note on the
+        exception (``except ValueError`` around ``fit`` still catches a
+        model's ``ValueError``). Only the outermost guard (``fit``, or a lone
+        ``evaluate`` / ``predict``) acts."""
+        if self._guarding:
+            yield
+            return
+        self._guarding = True
+        try:
+            yield
+        except BaseException as exc:
+            try:
+                self.hook.on_exception(loop=loop, exception=exc)
+            except Exception as hook_exc:  # keep the original error first
+                exc.__context__ = hook_exc
+            culprit = self.culprit(exc) if isinstance(exc, Exception) else None
+            if culprit is not None:
+                plugin, hook = culprit
+                add_note(exc, f"hookloop: raised in hook {hook!r} of plugin {plugin!r} "
+                              f"({self.sources.get(plugin, '?')})")
+            raise  # the same exception object, its type and traceback unchanged
+        finally:
+            self._guarding = False
 
     def culprit(self, exc: BaseException) -> tuple[str, str] | None:
         """Which plugin and hook an exception came out of: the innermost

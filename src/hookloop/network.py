@@ -1,8 +1,14 @@
-"""One trainable network: a model with its optimizer and optional scheduler."""
+"""Networks: a model with its optimizer and optional scheduler, how a Loop's
+networks are given, and how they are prepared with the accelerator."""
+
+from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 
 @dataclass(eq=False)
@@ -54,3 +60,75 @@ class Network:
 
     def __repr__(self):
         return f"Network(name={self.name!r}, model={type(self.unwrapped).__name__})"
+
+
+def networks_from(model, optimizer, scheduler, networks, strategy) -> dict[str, Network]:
+    """``Loop(model=, optimizer=, scheduler=)`` or ``Loop(networks={...})`` as
+    ``{name: Network}``, checked: every model a ``torch.nn.Module``, every
+    network the strategy trains with an optimizer."""
+    if networks is not None:
+        if model is not None or optimizer is not None or scheduler is not None:
+            raise ValueError("pass either model=/optimizer=/scheduler= or networks=, not both")
+        if not isinstance(networks, Mapping) or not networks:
+            raise ValueError("networks= must be a non-empty dict of name -> Network(...)")
+        out = {}
+        for name, network in networks.items():
+            if not isinstance(network, Network):
+                raise TypeError(
+                    f"networks[{name!r}] is a {type(network).__name__}: wrap it as "
+                    f"Network(model, optimizer, scheduler=None)"
+                )
+            network.name = name
+            out[name] = network
+    else:
+        if model is None:
+            raise ValueError("Loop needs model=... (one network) or networks={...}")
+        out = {"model": Network(model, optimizer, scheduler, name="model")}
+    for name, network in out.items():
+        if not isinstance(network.model, torch.nn.Module):
+            raise TypeError(
+                f"network {name!r}: model is a {type(network.model).__name__}, "
+                "not a torch.nn.Module"
+            )
+        if network.optimizer is None and name not in getattr(strategy, "frozen_networks", ()):
+            raise ValueError(
+                f"network {name!r} has no optimizer, and the strategy {strategy.name!r} trains "
+                "it (only a strategy's frozen_networks may have none)"
+            )
+    return out
+
+
+def prepare(accelerator, networks: Mapping[str, Network], frozen, train_data, eval_data):
+    """Pass every network's model, optimizer and scheduler and the data
+    through ``accelerator.prepare`` (frozen networks through
+    ``prepare_model(evaluation_mode=True)``: no DDP wrapper, eval mode),
+    replacing them in the networks. Returns the prepared ``(train_data,
+    eval_data)``.
+
+    Accelerate returns one object, a tuple, or (FSDP2) a list: all taken."""
+    for name in frozen:  # evaluation_mode: no DDP wrapper, nothing to synchronise
+        network = networks[name]
+        network.model = accelerator.prepare_model(network.model, evaluation_mode=True)
+        network.model.eval()
+    trained = [n for name, n in networks.items() if name not in frozen]
+    with_opt = [n for n in trained if n.optimizer is not None]
+    with_sched = [n for n in trained if n.scheduler is not None]
+    data = [d for d in (train_data, eval_data) if d is not None]
+    given = [*(n.model for n in trained), *(n.optimizer for n in with_opt), *data,
+             *(n.scheduler for n in with_sched)]
+    prepared = accelerator.prepare(*given)
+    prepared = list(prepared) if isinstance(prepared, (tuple, list)) and len(given) != 1 else [prepared]
+    if len(prepared) != len(given):
+        raise RuntimeError(f"accelerator.prepare returned {len(prepared)} objects for the {len(given)} given")
+    it = iter(prepared)
+    for n in trained:
+        n.model = next(it)
+    for n in with_opt:
+        n.optimizer = next(it)
+    if train_data is not None:
+        train_data = next(it)
+    if eval_data is not None:
+        eval_data = next(it)
+    for n in with_sched:
+        n.scheduler = next(it)
+    return train_data, eval_data

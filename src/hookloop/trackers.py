@@ -1,4 +1,5 @@
-"""A tracker Accelerate lacks: JSON lines in a file, readable by anything."""
+"""Trackers: the one Accelerate lacks (JSON lines in a file, readable by
+anything), and the session that starts and finishes a loop's trackers."""
 
 import json
 import os
@@ -49,3 +50,50 @@ def _plain(value):
         return float(value)
     except (TypeError, ValueError):
         return str(value)
+
+
+class TrackerSession:
+    """The accelerator's trackers during a loop's fits: started once (by the
+    loop after ``on_fit_start``, or earlier by a plugin), finished when the
+    fit that started them ends, by any path (``accelerator.end_training()``
+    would also destroy the process group, which a second loop still needs)."""
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+        #: inside a fit: ``loop.log`` may start the trackers
+        self.fitting = False
+        self._started = False
+
+    def start(self, project_name="hookloop", config=None, init_kwargs=None) -> bool:
+        """``accelerator.init_trackers`` if trackers are configured and none
+        runs; whether trackers are running (on every process alike)."""
+        acc = self.accelerator
+        if acc.trackers or not acc.log_with:
+            return bool(acc.trackers)
+        acc.init_trackers(project_name, config=config, init_kwargs=init_kwargs or {})
+        self._started = True
+        return bool(acc.trackers) or not acc.is_main_process
+
+    def end(self) -> None:
+        """Finish the trackers this session started; the next fit starts them afresh."""
+        if self._started:
+            self._started = False
+            acc = self.accelerator
+            for tracker in acc.trackers:
+                tracker.finish()
+            acc.trackers = []
+
+    def for_fit(self):
+        """A context for one fit: trackers end when it does."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def session():
+            self.fitting = True
+            try:
+                yield
+            finally:
+                self.fitting = False
+                self.end()
+
+        return session()

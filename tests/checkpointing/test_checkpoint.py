@@ -146,7 +146,7 @@ def test_without_restoring_the_epochs_random_state_the_resume_differs(tmp_path, 
 
     make(tmp_path).fit(max_steps=5)
 
-    def plain_skip(self, accelerator, data, skip):
+    def plain_skip(self, accelerator, data, skip, **options):
         self.restore_now(data)
         return accelerator.skip_first_batches(data, skip)
 

@@ -392,10 +392,10 @@ def test_a_sigterm_during_the_final_save_ends_with_status_75(tmp_path, monkeypat
     try:
         publish = saving.publish
 
-        def publish_and_get_signalled(tmp, final):
+        def publish_and_get_signalled(tmp, final, **options):
             if final.name == "step-00000003":
                 os.kill(os.getpid(), signal.SIGTERM)
-            return publish(tmp, final)
+            return publish(tmp, final, **options)
 
         monkeypatch.setattr(saving, "publish", publish_and_get_signalled)
         loop = tiny_loop([Checkpoint(dir=tmp_path, every_steps=2)])

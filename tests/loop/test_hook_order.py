@@ -41,7 +41,9 @@ def test_one_epoch_of_two_steps_calls_hooks_in_this_order():
         "after_eval_step",
         "on_epoch_start",
         *PER_STEP,
+        "on_safe_point",  # after an update: a checkpoint here resumes exactly
         *PER_STEP,
+        "on_safe_point",
         "on_train_epoch_end",
         "on_eval_start",
         "eval_step",
@@ -50,6 +52,7 @@ def test_one_epoch_of_two_steps_calls_hooks_in_this_order():
         "after_eval_step",
         "on_eval_end",
         "on_epoch_end",
+        "on_safe_point",
         "on_fit_end",
     ]
     # before_step sees the batch's index; after_step sees it counted

@@ -97,7 +97,7 @@ from .layout import (
 )
 from .loading import find, load, resolve
 from .manifest import read_manifest
-from .policy import CheckpointPolicy, checkpoint_plugins, checkpoint_root
+from .policy import CheckpointPolicy, best_checkpoint_path, checkpoint_plugins, checkpoint_root
 from .runs import RunIdentity, best_checkpoints, foreign_checkpoints, owns, run_identity
 from .saving import save
 from .staging import Staged, stage
@@ -125,6 +125,7 @@ __all__ = [
     "Resume",
     "RunIdentity",
     "Staged",
+    "best_checkpoint_path",
     "best_checkpoints",
     "check_writable",
     "checkpoint_name",

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..epoch_values import EpochValues
 from ..rng import data_generators
 from .errors import CheckpointError
 from .layout import FORMAT
@@ -119,12 +120,14 @@ def _rng_from_tensors(prefix: str, tensors: dict, meta: dict) -> dict:
 
 
 def write_rank_file(file: Path, loop) -> None:
-    """This process's epoch-start RNG and its data generators now."""
+    """This process's part of the run state: the random states its epoch
+    started from, its data generators now, and its ``loop.log(on_epoch=True)``
+    values of the epoch so far."""
     from safetensors.torch import save_file
 
     tensors: dict = {}
     meta = {"format": FORMAT}
-    epoch = loop._epoch_rng
+    epoch = loop.state.epoch_start
     if epoch is not None:
         _rng_tensors("epoch", epoch["rng"], tensors, meta)
         for path, state in epoch["generators"].items():
@@ -132,13 +135,23 @@ def write_rank_file(file: Path, loop) -> None:
     if loop.train_data is not None:
         for path, gen in data_generators(loop.train_data).items():
             tensors[f"now.gen.{path}"] = gen.get_state()
+    logged = []
+    for i, (key, (reduce, total, count)) in enumerate(loop.state.logged.state_dict().items()):
+        if isinstance(total, torch.Tensor):
+            tensors[f"log.{i}"] = total.to(torch.float64).reshape(())
+            logged.append([key, reduce, None, count])
+        else:
+            logged.append([key, reduce, float(total), count])
+    if logged:
+        meta["logged"] = json.dumps(logged)
     save_file(tensors, str(file), metadata=meta)
 
 
 def parse_rank_file(data: bytes):
-    """``(epoch_start, generators_now)`` from a rank file's bytes, every
-    random state checked by loading it into a scratch generator (a garbled
-    one fails here, not inside ``random.setstate`` during ``fit``)."""
+    """``(epoch_start, generators_now, logged)`` from a rank file's bytes,
+    every random state checked by loading it into a scratch generator (a
+    garbled one fails here, not inside ``random.setstate`` during ``fit``);
+    ``logged`` as :meth:`EpochValues.state_dict` gives it."""
     from safetensors.torch import load as load_bytes
 
     tensors = load_bytes(data)
@@ -157,7 +170,11 @@ def parse_rank_file(data: bytes):
     now = {k[len("now.gen."):]: v for k, v in tensors.items() if k.startswith("now.gen.")}
     for state in now.values():
         torch.Generator().set_state(state)
-    return epoch, now
+    logged = {}
+    for i, (key, reduce, total, count) in enumerate(json.loads(meta.get("logged", "[]"))):
+        logged[key] = [reduce, tensors[f"log.{i}"] if total is None else total, count]
+    EpochValues().load_state_dict(logged)  # checked: fails here, not at the epoch's end
+    return epoch, now, logged
 
 
 def check_rng(python, numpy, torch_state) -> None:

@@ -26,7 +26,9 @@ LATEST = "latest"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 #: the name of a regular checkpoint: ``step-<global_step>`` (``-epoch-end``)
-NAME_PATTERN = re.compile(r"^step-(\d+)(-epoch-end)?$")
+#: ``step-<update>[-epoch-end][.<generation>]``: a save of a position whose
+#: checkpoint ``latest`` names takes the next generation (never renamed over it)
+NAME_PATTERN = re.compile(r"^step-(\d+)(-epoch-end)?(?:\.(\d+))?$")
 _RUN = re.compile(r"^version_(\d+)$")
 
 
@@ -41,7 +43,18 @@ def sort_key(path: Path):
     """The order of checkpoints: by step, an epoch-end one after the
     mid-epoch one of the same step (``path`` must match :data:`NAME_PATTERN`)."""
     match = NAME_PATTERN.match(path.name)
-    return (int(match.group(1)), bool(match.group(2)))
+    return (int(match.group(1)), bool(match.group(2)), int(match.group(3) or 0))
+
+
+def next_generation(path: Path) -> Path:
+    """The first free ``<name>.<n>`` next to checkpoint ``path`` (the base
+    name without a generation)."""
+    match = NAME_PATTERN.match(path.name)
+    base = path.name if match is None or match.group(3) is None else path.name.rsplit(".", 1)[0]
+    n = 1
+    while (path.parent / f"{base}.{n}").exists():
+        n += 1
+    return path.parent / f"{base}.{n}"
 
 
 def list_checkpoints(root) -> list[Path]:
@@ -158,9 +171,11 @@ def clean(root) -> None:
     if not root.is_dir():
         return
     for path in root.iterdir():
-        if path.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+        if not path.name.startswith((TMP_PREFIX, TRASH_PREFIX, LATEST + ".tmp")):
+            continue
+        if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
-        elif path.name.startswith(LATEST + ".tmp"):
+        else:  # a probe file, a half-written latest
             with contextlib.suppress(OSError):
                 path.unlink()
 

@@ -147,10 +147,12 @@ def load(loop, path, *, strict: bool = True, trust_pickles=None, staged: Staged 
     doc = read_manifest(path)
     where = f"checkpoint {str(path)!r}"
     messages = check_compatible(loop, path, doc, strict)
-    try:
-        type(loop.state)().load_state_dict(doc["loop"])  # on a scratch state: fails before any change
+    try:  # on a scratch state: fails before any change
+        scratch = type(loop.state)()
+        scratch.load_state_dict(doc["loop"])
+        scratch.load_run_dict(doc.get("run") or {})
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CheckpointError(f"{where}: the loop position in {STATE_FILE} is not valid: "
+        raise CheckpointError(f"{where}: the run state in {STATE_FILE} is not valid: "
                               f"{type(exc).__name__}: {exc}") from exc
     if doc["loop"].get("step_in_epoch") and getattr(loop.train_data, "use_stateful_dataloader", False):
         raise CheckpointError(
@@ -183,7 +185,11 @@ def load(loop, path, *, strict: bool = True, trust_pickles=None, staged: Staged 
 
     accel.commit(loop, staged, custom, where)
     rng = capture_rng()
-    loop.state.load_state_dict(doc["loop"])
+    state = loop.state  # the run state, whole: position, run, this process's epoch
+    state.load_state_dict(doc["loop"])
+    state.load_run_dict(doc.get("run") or {})
+    state.epoch_start = staged.epoch_start
+    state.logged.load_state_dict(staged.logged)
     adopt_run(loop, path, doc)
     current = dict(stateful_plugins(loop))
     for name, state in staged.plugin_states.items():

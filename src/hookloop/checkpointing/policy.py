@@ -51,3 +51,23 @@ def checkpoint_root(loop) -> Path:
         return legacy.directory(loop)
     base = default_directory(loop.accelerator)
     return newest_run(base) or base
+
+
+def best_checkpoint_path(loop) -> Path:
+    """``load_checkpoint("best")``: the best checkpoint by the ``monitor`` of
+    the loop's first Checkpoint plugin that has one, whichever run wrote it."""
+    from .errors import CheckpointError
+
+    plugin = next((p for p in checkpoint_plugins(loop) if getattr(p, "monitor", None)), None)
+    if plugin is None:
+        raise CheckpointError(
+            "load_checkpoint('best') needs a Checkpoint(monitor=...) plugin: it ranks the "
+            "checkpoints by the metric they were saved with"
+        )
+    found = plugin.best_checkpoint(loop, mine=False)
+    if found is None:
+        raise CheckpointError(
+            f"load_checkpoint('best'): no checkpoint in {plugin.directory(loop)} "
+            f"records {plugin.monitor!r} yet"
+        )
+    return found[1]

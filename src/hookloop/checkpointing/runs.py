@@ -7,44 +7,23 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
+from ..state import RunIdentity
 from .layout import list_checkpoints, sort_key
 from .manifest import peek
 
 
-@dataclass
-class RunIdentity:
-    """Which run a loop continues: ``id`` is recorded in every checkpoint's
-    manifest (``run_id``); a resumed run inherits the id of the checkpoint it
-    resumed. ``resumed_root`` is the real path of that checkpoint's root
-    (None: the run started from scratch); ``legacy``: it had no run id (a
-    hookloop 0.1 checkpoint)."""
-
-    id: str
-    resumed_root: str | None = None
-    legacy: bool = False
-
-
 def run_identity(loop) -> RunIdentity:
-    """The loop's :class:`RunIdentity` (a new id for a run from scratch)."""
-    run = loop.__dict__.get("_checkpoint_run")
-    if run is None:
-        import uuid
-
-        run = loop.__dict__["_checkpoint_run"] = RunIdentity(uuid.uuid4().hex)
-    return run
+    """The loop's :class:`~hookloop.state.RunIdentity` (``loop.state.run``)."""
+    return loop.state.run
 
 
 def adopt_run(loop, path: Path, doc: dict) -> None:
     """The loop continues the run of checkpoint ``path`` (manifest ``doc``)."""
-    import uuid
-
-    loop.__dict__["_checkpoint_run"] = RunIdentity(
-        doc.get("run_id") or uuid.uuid4().hex, resumed_root=os.path.realpath(path.parent),
-        legacy=doc.get("run_id") is None,
-    )
+    rid = doc.get("run_id")
+    loop.state.run = RunIdentity(rid, resumed_root=os.path.realpath(path.parent), legacy=False) if rid else \
+        RunIdentity(resumed_root=os.path.realpath(path.parent), legacy=True)
 
 
 def owns(loop, root, path) -> bool:

@@ -101,9 +101,12 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
 
         with every_rank(acc, catch=Exception, describe=failed(f"cannot finish checkpoint {final}")):
             if main:
-                _finish(loop, tmp, final, position, networks, plugins, tensors, reason, monitor)
+                final, replaced = _finish(loop, tmp, final, position, networks, plugins, tensors,
+                                          reason, monitor, update_latest)
                 if update_latest:
-                    layout.write_latest(root, name)
+                    layout.write_latest(root, final.name)
+                if replaced is not None:  # an older save of this position, now that latest moved on
+                    _remove(replaced)
                 if keep_last:
                     rotate(loop, root, keep_last, keep)
     except CheckpointError:
@@ -114,8 +117,10 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
 
 
 def _finish(loop, tmp: Path, final: Path, position, networks, plugins, tensors, reason,
-            monitor=None) -> None:
-    """Main process: hookloop's files, fsync, rename into place."""
+            monitor=None, update_latest=True) -> tuple[Path, Path | None]:
+    """Main process: hookloop's files, fsync, rename into place. Returns
+    where it landed and the checkpoint it replaces (to delete once
+    ``latest`` names the new one), as :func:`publish` does."""
     from safetensors.torch import save_file
 
     import accelerate
@@ -142,6 +147,7 @@ def _finish(loop, tmp: Path, final: Path, position, networks, plugins, tensors, 
                      "accelerate": accelerate.__version__},
         "num_processes": loop.accelerator.num_processes,
         "loop": position,
+        "run": loop.state.run_dict(),
         "networks": networks,
         "accelerate": accel.accelerate_counts(loop.accelerator),
         "plugins": plugins,
@@ -161,20 +167,53 @@ def _finish(loop, tmp: Path, final: Path, position, networks, plugins, tensors, 
         f.flush()
         os.fsync(f.fileno())
     layout.fsync_dir(tmp)
-    publish(tmp, final)
+    return publish(tmp, final, keep_existing=update_latest)
 
 
-def publish(tmp: Path, final: Path) -> None:
-    """Rename the finished save into place (replacing one of the same name:
-    moved aside first, since a directory cannot be renamed over a full one)."""
-    trash = None
+def publish(tmp: Path, final: Path, keep_existing: bool = True) -> tuple[Path, Path | None]:
+    """Rename the finished save into place; returns ``(where it is, the
+    checkpoint it replaces or None)``.
+
+    A complete checkpoint is never moved away before its replacement is in
+    place: when one of the same name exists and ``latest`` names it (and
+    ``keep_existing``), the new save takes the next free generation of the
+    name (``step-00000040.1``) and the old one is returned, to be deleted
+    once ``latest`` names the new one. One that ``latest`` does not name is
+    moved aside and replaced (a directory cannot be renamed over a full one);
+    killed in between, ``latest`` still names a complete checkpoint."""
+    root = final.parent
     if final.exists():
+        named = keep_existing and read_latest_quietly(root) == final.name
+        if named:
+            new = layout.next_generation(final)
+            os.rename(tmp, new)
+            layout.fsync_dir(root)
+            return new, final
         trash = final.with_name(f"{TRASH_PREFIX}{final.name}-{os.getpid()}")
         os.rename(final, trash)
-    os.rename(tmp, final)
-    layout.fsync_dir(final.parent)
-    if trash is not None:
+        os.rename(tmp, final)
+        layout.fsync_dir(root)
         shutil.rmtree(trash, ignore_errors=True)
+        return final, None
+    os.rename(tmp, final)
+    layout.fsync_dir(root)
+    return final, None
+
+
+def read_latest_quietly(root: Path) -> str | None:
+    """``latest``'s checkpoint name, or None if it cannot be read."""
+    try:
+        return layout.read_latest(root)
+    except CheckpointError:
+        return None
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint directory: renamed first, so that a kill during
+    the deletion never leaves a valid name on a half-deleted directory."""
+    trash = path.with_name(f"{TRASH_PREFIX}{path.name}-{os.getpid()}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def rotate(loop, root: Path, keep_last: int, protected=()) -> None:
@@ -190,11 +229,7 @@ def rotate(loop, root: Path, keep_last: int, protected=()) -> None:
     for path in mine[: max(0, len(mine) - keep_last)]:
         if path.name in keep:
             continue
-        # rename first: a kill during rmtree must not leave a valid name on a
-        # half-deleted directory
-        trash = path.with_name(f"{TRASH_PREFIX}{path.name}-{os.getpid()}")
-        os.rename(path, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        _remove(path)
 
 
 def write_error(exc: BaseException, root: Path, what: str) -> str:

@@ -6,7 +6,7 @@ is staged here, or nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import accelerate as accel
@@ -35,6 +35,8 @@ class Staged:
     epoch_start: dict | None
     generators: dict
     plugin_states: dict
+    #: this process's loop.log(on_epoch=True) values of the epoch so far
+    logged: dict = field(default_factory=dict)
 
 
 def stage(path, doc: dict | None = None, process_index: int | None = None) -> Staged:
@@ -116,7 +118,7 @@ def stage(path, doc: dict | None = None, process_index: int | None = None) -> St
     what = f"the data position of process {rank}"
     data = read(rel, what).read_bytes()
     try:
-        epoch_start, generators = parse_rank_file(data)
+        epoch_start, generators, logged = parse_rank_file(data)
     except Exception as exc:  # noqa: BLE001 - garbled in any way
         raise CheckpointError(f"{where}: cannot read {what} from {rel}: {type(exc).__name__}: "
                               f"{first_line(exc)}") from exc
@@ -134,4 +136,4 @@ def stage(path, doc: dict | None = None, process_index: int | None = None) -> St
 
     check_staged_finite(models, optimizers, doc, where)
     return Staged(path, doc, rank, models, optimizers, schedulers, rng, scaler, extra, custom,
-                  epoch_start, generators, plugin_states)
+                  epoch_start, generators, plugin_states, logged)

@@ -173,7 +173,8 @@ def train_student(student, data, tokenizer, args, teacher=None):
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from .. import Loop, Network
+    from ..loop import Loop
+    from ..network import Network
     from ..strategies import Distillation
 
     set_seed(args.seed)  # the same batches and dropout for both students

@@ -309,7 +309,7 @@ def run(args, plugins=()) -> Result:
     import transformers
     from accelerate.utils import set_seed
 
-    from .. import Loop
+    from ..loop import Loop
     from ..plugins import Logger
 
     accelerator = make_accelerator(args)

@@ -14,6 +14,7 @@ from .. import checkpointing
 from ..checkpointing.collective import every_rank
 from ..checkpointing.layout import NAME_PATTERN, sort_key
 from ..checkpointing.policy import CheckpointPolicy
+from ..checkpointing.saving import rotate
 from ..markers import hookimpl
 from ..preemption import DEFAULT_SIGNALS, Preempted, SignalWatcher, signal_name
 
@@ -126,9 +127,11 @@ class Checkpoint(CheckpointPolicy):
         self.best: dict | None = None
         self._epoch_ending = False  # between on_train_epoch_end and on_epoch_end
         self._run_dir = None  # the run folder chosen at the first fit (default dir)
-        #: the directory of the last checkpoint this plugin wrote
+        #: the directory of the last checkpoint this plugin wrote, and why
+        #: (``"every_steps"``, ``"epoch_end"``, ``"monitor"``, ``"fit_end"``,
+        #: ``"preempted"``, ``"requested"`` ...: the manifest's ``reason``)
         self.last_saved: Path | None = None
-        self._due = False
+        self.last_reason: str | None = None
         self._stop = None
         self._stop_saved = None  # saved for the agreed stop (several Checkpoint plugins)
         self._fit_ended = False
@@ -184,7 +187,10 @@ class Checkpoint(CheckpointPolicy):
                 checkpointing.clean(root)
                 _check_foreign(loop, root)
                 _warn_newer(loop, root)
-        self._due = False
+                if loop.resumed_from is not None and self.keep_last:
+                    # a run killed after its last save, before it rotated
+                    rotate(loop, root, self.keep_last, self._best_names(loop, root))
+        self._candidate = self._requested = None
         self._stop = self._stop_saved = self._pending = None
         self._fit_ended = False
         if self._saved_position is None and loop.resumed_from is not None:
@@ -195,23 +201,6 @@ class Checkpoint(CheckpointPolicy):
         self._update_best(loop)
         self._ready = True
 
-    @hookimpl(trylast=True)
-    def after_step(self, loop):
-        acc = loop.accelerator
-        step = loop.state.global_step
-        if self.every_steps and step % self.every_steps == 0 and acc.sync_gradients:
-            self._due = True  # (after the batch that completed update N, not its group's others)
-        if self.watcher is not None and self._stop is None:
-            self._stop = self.watcher.shared_stop  # another Checkpoint plugin agreed already: free
-            if self._stop is None and (acc.num_processes == 1 or step % self.signal_check_every == 0):
-                self._stop = self.watcher.agreed(acc)
-        if not acc.sync_gradients:
-            return  # mid accumulation group: .grad holds a partial step that no checkpoint keeps
-        if self._stop is not None:
-            self._preempted(loop, self._save(loop, "preempted"))
-        if self._due and not (self.every_epoch and acc.gradient_state.end_of_dataloader):
-            self._save(loop, "every_steps")  # (at the epoch's last batch on_epoch_end saves)
-
     @hookimpl
     def on_train_epoch_end(self):
         self._epoch_ending = True  # the evaluation that follows is the epoch's
@@ -219,20 +208,20 @@ class Checkpoint(CheckpointPolicy):
     @hookimpl(trylast=True)  # after the plugins that add metrics
     def on_eval_end(self, loop, metrics):
         if self.monitor is None or not self._ready or loop.state.stage != "eval" or self._epoch_ending:
-            return  # (the epoch's evaluation: its metrics reach on_epoch_end, which saves)
+            return  # (the epoch's evaluation: its metrics reach on_epoch_end)
         if self.monitor not in metrics:
             raise KeyError(
                 f"Checkpoint monitors {self.monitor!r}, but the evaluation's metrics are "
                 f"{sorted(metrics) or 'empty'}; pass monitor=... with one of them (a training "
                 "value: log it with loop.log(..., on_epoch=True))"
             )
-        # an eval_every evaluation, at an update boundary in the epoch
-        self._save(loop, "monitor", monitor=float(metrics[self.monitor]))
+        # saved with the value at this update's safe point, once the
+        # evaluation has put the random states back
+        self._candidate = float(metrics[self.monitor])
 
     @hookimpl(trylast=True)
     def on_epoch_end(self, loop, metrics):
         self._epoch_ending = False
-        candidate = None
         if self.monitor is not None:
             if self.monitor not in metrics:
                 raise KeyError(
@@ -240,29 +229,50 @@ class Checkpoint(CheckpointPolicy):
                     f"{sorted(metrics) or 'empty (is eval_data set?)'}; pass monitor=... with one "
                     "of them (a training value: log it with loop.log(..., on_epoch=True))"
                 )
-            candidate = float(metrics[self.monitor])
-        if self.watcher is not None and self._stop is None:
-            self._stop = self.watcher.agreed(loop.accelerator)  # e.g. during the evaluation
-        if self.every_epoch or self._due or self._stop is not None or candidate is not None:
-            # an epoch ended early by a stop is saved at its mid-epoch position:
-            # the next fit continues it
-            complete = loop.state.epoch_complete
-            reason = "preempted" if self._stop is not None else "epoch_end" if complete else "fit_end"
-            path = self._save(loop, reason, epoch_end=complete, monitor=candidate)
-            if self._stop is not None:
-                self._preempted(loop, path)
+            self._candidate = float(metrics[self.monitor])  # saved at the epoch's safe point
 
-    @hookimpl(trylast=True)  # after the other plugins' end-of-fit work, which it saves
+    @hookimpl(trylast=True)  # after the other plugins' work at the safe point, which it saves
+    def on_safe_point(self, loop, epoch_end, fit_end):
+        acc = loop.accelerator
+        state = loop.state
+        if self.watcher is not None and self._stop is None:
+            self._stop = self.watcher.shared_stop  # another Checkpoint plugin agreed already: free
+            if self._stop is None and (epoch_end or acc.num_processes == 1
+                                       or state.global_step % self.signal_check_every == 0):
+                self._stop = self.watcher.agreed(acc)
+        candidate, requested = self._candidate, self._requested
+        self._candidate = self._requested = None
+        step_due = bool(self.every_steps) and state.global_step % self.every_steps == 0
+        if step_due and not epoch_end and self.every_epoch and state.epoch_end_reason is not None:
+            step_due = False  # the epoch's last update: its end follows, and is saved
+        if self._stop is not None:
+            reason = "preempted"
+        elif requested is not None:
+            reason = requested
+        elif epoch_end and self.every_epoch:
+            # an epoch ended early (a stop, max_steps) is saved at its mid-epoch position
+            reason = "epoch_end" if not state.step_in_epoch else "fit_end"
+        elif step_due:
+            reason = "every_steps"
+        elif candidate is not None:
+            reason = "monitor"
+        elif fit_end:
+            reason = "fit_end"  # every fit ends with a checkpoint of its last position
+        else:
+            return
+        path = self._save(loop, reason, monitor=candidate)
+        if self._stop is not None:
+            self._preempted(loop, path)
+
+    @hookimpl(trylast=True)  # after the other plugins' end-of-fit work
     def on_fit_end(self, loop):
         try:
-            if loop.accelerator.sync_gradients and self._saved_position != loop.state.state_dict():
-                self._save(loop, "fit_end")
             # every rank takes the same decision (one all-reduce with several processes)
             self._pending = self.watcher.agreed(loop.accelerator) if self.watcher is not None else None
         finally:
             self._uninstall()
             self._fit_ended = True
-        # A signal that came in the fit's last steps or during its final save:
+        # A signal that came during the fit's last safe point (its final save):
         # that save is the stop's checkpoint. End as a preemption does (status
         # 75), once every Checkpoint plugin has saved.
         peers = checkpointing.checkpoint_plugins(loop)
@@ -284,41 +294,62 @@ class Checkpoint(CheckpointPolicy):
 
     # -- work --------------------------------------------------------------------
 
-    def save(self, loop, reason: str = "requested", epoch_end: bool = False) -> Path:
-        """Save the loop's position now, as this plugin's own saves are made
-        (its directory, rotation and best-k ranking; not again at the same
-        position when the fit ends). Every process must call it, at an update
-        boundary. ``epoch_end``: from ``on_epoch_end`` of a whole epoch (the
-        position recorded is the next epoch's start)."""
-        return self._save(loop, reason, epoch_end=epoch_end)
+    def save(self, loop, reason: str = "requested", epoch_end: bool = False) -> Path | None:
+        """Save the run now, as this plugin's own saves are made (its
+        directory, rotation and best-k ranking; not again at the same
+        position when the fit ends), and return the checkpoint's directory.
+        Every process must call it.
 
-    def _save(self, loop, reason, epoch_end=False, monitor=None) -> Path:
+        At a safe point (``on_safe_point``, or outside ``fit``) it saves at
+        once. Called from any other hook during a fit it returns None and the
+        checkpoint is written at the next safe point (after this update and
+        its evaluations; after the epoch's end when the epoch ends here),
+        where a resume continues exactly; :attr:`last_saved` names it then.
+        ``epoch_end`` is accepted for 0.2 code and not needed: a save asked
+        for in ``on_epoch_end`` is taken at the epoch's safe point, whose
+        position is already the next epoch's start."""
+        if loop.at_safe_point:
+            return self._save(loop, reason)
+        self.request(reason)
+        return None
+
+    def request(self, reason: str = "requested") -> None:
+        """Save at the next safe point, whatever the schedule (during
+        ``on_safe_point``, before this plugin's turn: at this one)."""
+        self._requested = reason
+
+    def _save(self, loop, reason, monitor=None) -> Path:
         position = loop.state.state_dict()
-        if epoch_end:
-            position.update(epoch=position["epoch"] + 1, step_in_epoch=0)
+        epoch_end = position["step_in_epoch"] == 0
         if position == self._saved_position and monitor is None:
             return self.last_saved  # (saved here already; again only to record a monitored value)
         finite = loop.plugins.get("finite")
         if finite is not None and callable(getattr(finite, "check", None)):
             finite.check(loop)  # never publish a checkpoint of a run whose loss went NaN
         root = self.directory(loop)
+        name = checkpointing.checkpoint_name(position["global_step"], epoch_end)
         record, keep = None, ()
         if self.monitor is not None:
-            name = checkpointing.checkpoint_name(position["global_step"], epoch_end)
             if monitor is not None:
                 record = {"key": self.monitor, "value": monitor, "mode": self.mode}
             extra = (monitor, root / name) if monitor is not None and math.isfinite(monitor) else None
-            keep = {p.name for _, p in checkpointing.best_checkpoints(
-                loop, root, self.monitor, self.mode, self.save_top_k, extra)}
+            keep = self._best_names(loop, root, extra)
+        self.last_reason = reason
         self.last_saved = checkpointing.save(
-            loop, root, reason=reason, epoch_end=epoch_end, keep_last=self.keep_last,
-            monitor=record, keep=keep,
+            loop, root, reason=reason, name=name, keep_last=self.keep_last, monitor=record, keep=keep,
         )
         self._saved_position = position
-        self._due = False
         if record is not None:
             self._update_best(loop)
         return self.last_saved
+
+    def _best_names(self, loop, root, extra=None) -> set:
+        """The checkpoints rotation keeps for ``save_top_k`` (``extra``: one
+        about to be written, ``(value, path)``)."""
+        if self.monitor is None:
+            return set()
+        return {p.name for _, p in checkpointing.best_checkpoints(
+            loop, root, self.monitor, self.mode, self.save_top_k, extra)}
 
     def _update_best(self, loop):
         found = self.best_checkpoint(loop)

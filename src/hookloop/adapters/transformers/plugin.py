@@ -204,7 +204,6 @@ class TrainerCallbacks:
     def training_step(self, loop):
         # before the strategy (and only for batches that are trained)
         if self._group_pos == 0:
-            self._saves.step_started()
             self._event("on_step_begin")
             self._apply(loop)
         return None  # firstresult: the strategy's result follows
@@ -240,12 +239,10 @@ class TrainerCallbacks:
             self._logs.log_training(loop, self._several)
         if self.control.should_evaluate:
             self._evals.run(loop)
-        self._saves.update_ended(loop, epoch_end=False)
-        return result
+        return result  # a save control.should_save asks for is taken at the safe point
 
     @hookimpl
     def on_train_epoch_end(self, loop):
-        self._saves.step_started()
         self._sync_state(loop)
         self._event("on_epoch_end")
         self._apply(loop)
@@ -255,10 +252,11 @@ class TrainerCallbacks:
             self._evals.run(loop)
         # with eval_data the loop's own evaluation follows: reported by on_eval_end
 
-    @hookimpl(wrapper=True)  # after the other plugins, a Checkpoint plugin's save included
-    def on_epoch_end(self, loop):
+    @hookimpl(wrapper=True)  # around the Checkpoint plugin, which saves here
+    def on_safe_point(self, loop, fit_end):
+        self._saves.before_safe_point(loop)  # control.should_save: ask the Checkpoint plugin
         result = yield
-        self._saves.update_ended(loop, epoch_end=loop.state.epoch_complete)
+        self._saves.after_safe_point(loop, fit_end)  # what it saved is an on_save
         return result
 
     @hookimpl(wrapper=True)  # after the other plugins' end-of-fit work
@@ -291,7 +289,7 @@ class TrainerCallbacks:
         self._event("on_prediction_step")
         return None
 
-    @hookimpl(wrapper=True)  # the metrics every plugin added; a Checkpoint(monitor=) save seen
+    @hookimpl(wrapper=True)  # the metrics every plugin added
     def on_eval_end(self, loop, metrics):
         result = yield
         out = self._evals.metrics(loop, metrics)
@@ -299,8 +297,6 @@ class TrainerCallbacks:
         self._event("on_evaluate", metrics=out)
         self._apply(loop)
         self._saves.evaluated(out)
-        if self._training:  # a Checkpoint plugin's save for this evaluation (monitor=...)
-            self._saves.evaluation_ended(loop)
         return result
 
     # -- meeting the loop --------------------------------------------------------------

@@ -18,10 +18,14 @@ class Saves:
     it reads the plugin's ``args``, ``state`` and ``control`` and fires
     ``on_save`` through it.
 
-    How the adapter learns that a Checkpoint plugin saved is here alone:
-    :meth:`_new_save` compares the plugins' ``last_saved`` with the last
-    look, at the points the plugin's hooks name (:meth:`update_ended` after
-    a step or an epoch end, :meth:`evaluation_ended`, :meth:`fit_ended`).
+    How the adapter learns that a Checkpoint plugin saved is here alone.
+    Checkpoints are written at the loop's safe points (after an update and
+    its evaluations, after an epoch end), so that is where a save
+    ``control.should_save`` asks for is handed to the first Checkpoint
+    plugin (:meth:`before_safe_point`) and where what a Checkpoint plugin
+    wrote becomes an ``on_save`` (:meth:`after_safe_point`): after the
+    step's ``on_step_end``, log and evaluation, or after the epoch's
+    ``on_epoch_end``, as ``Trainer._maybe_log_save_evaluate`` orders them.
     """
 
     def __init__(self, plugin):
@@ -35,7 +39,7 @@ class Saves:
         """Forget the last fit's Checkpoint plugins."""
         self._checkpoints: list = []
         self._seen: list = []
-        self._eval_saved = False  # a Checkpoint plugin saved for an evaluation in this step
+        self._asked = False  # this adapter asked for the save of this safe point
 
     def start(self, loop):
         """A fit starts: the loop's Checkpoint plugins, and what they saved so far."""
@@ -46,10 +50,6 @@ class Saves:
 
     # -- when a Checkpoint plugin saved ------------------------------------------------
 
-    def step_started(self):
-        """A new update (or the epoch's end) begins: no evaluation of it was saved yet."""
-        self._eval_saved = False
-
     def _new_save(self):
         """The checkpoint a Checkpoint plugin wrote since the last look, if any."""
         now = [p.last_saved for p in self._checkpoints]
@@ -57,32 +57,43 @@ class Saves:
         self._seen = now
         return path
 
-    def update_ended(self, loop, epoch_end):
-        """After a step or epoch end: the checkpoint a Checkpoint plugin
-        wrote meanwhile, else the one ``control.should_save`` asks for; then
-        ``on_save``."""
-        path = self._new_save()
-        saved_for_evaluation, self._eval_saved = self._eval_saved, False
-        control = self._plugin.control
-        if path is None and control.should_save:
-            if saved_for_evaluation:  # this step's evaluation was saved (and reported) already
-                control.should_save = False
-                return
-            path = self._save(loop, epoch_end)
-            self._seen = [p.last_saved for p in self._checkpoints]
-        if path is not None:
-            self._report_save(loop, path)
+    def before_safe_point(self, loop):
+        """``control.should_save`` (from ``save_steps``, ``save_strategy``, a
+        callback): the first Checkpoint plugin saves at this safe point."""
+        self._asked = False
+        if not self._plugin.control.should_save:
+            return
+        if not self._checkpoints:
+            self._plugin._warn_once(
+                "save",
+                "TrainerCallbacks: a callback asked for a checkpoint (control.should_save, e.g. "
+                "TrainingArguments(save_strategy=...)), but the loop has no "
+                "hookloop.plugins.Checkpoint plugin: nothing is saved. Add Checkpoint(...) to the "
+                "plugins, or set save_strategy='no'",
+            )
+            self._plugin.control.should_save = False
+            return
+        # as the plugin's own saves: its directory, rotation, best-k ranking
+        self._checkpoints[0].request(reason="trainer_callbacks")
+        self._asked = True
 
-    def evaluation_ended(self, loop):
-        """After an evaluation in a fit: a Checkpoint plugin's save for it
-        (``monitor=...``) is an ``on_save``."""
+    def after_safe_point(self, loop, fit_end):
+        """What a Checkpoint plugin saved at this safe point is an ``on_save``
+        (but not the loop's own last checkpoint of the fit, which the
+        Trainer does not have)."""
         path = self._new_save()
-        if path is not None:
-            self._eval_saved = True
-            self._report_save(loop, path)
+        asked, self._asked = self._asked, False
+        if path is None and asked:  # this position was saved already: that checkpoint
+            path = self._checkpoints[0].last_saved
+        if path is None:
+            return
+        if fit_end and not asked and all(getattr(p, "last_reason", None) == "fit_end"
+                                         for p in self._checkpoints if p.last_saved == path):
+            return
+        self._report_save(loop, path)
 
     def fit_ended(self):
-        """A Checkpoint plugin's final save: the Trainer has none to report."""
+        """Anything saved since the last safe point: the Trainer has nothing to report."""
         self._new_save()
 
     # -- saving and reporting ------------------------------------------------------------
@@ -97,24 +108,6 @@ class Saves:
         self._best_from_checkpoint_plugins()
         plugin._event("on_save")
         plugin._apply(loop)
-
-    def _save(self, loop, epoch_end):
-        """A checkpoint now, by the first Checkpoint plugin
-        (:meth:`hookloop.plugins.Checkpoint.save`: its directory, rotation and
-        best-k ranking)."""
-        if not self._checkpoints:
-            self._plugin._warn_once(
-                "save",
-                "TrainerCallbacks: a callback asked for a checkpoint (control.should_save, e.g. "
-                "TrainingArguments(save_strategy=...)), but the loop has no "
-                "hookloop.plugins.Checkpoint plugin: nothing is saved. Add Checkpoint(...) to the "
-                "plugins, or set save_strategy='no'",
-            )
-            self._plugin.control.should_save = False
-            return None
-        # as the plugin's own saves: its directory, rotation, best-k ranking, and
-        # no second save of this position at the fit's end
-        return self._checkpoints[0].save(loop, reason="trainer_callbacks", epoch_end=epoch_end)
 
     # -- the best model ----------------------------------------------------------------
 
