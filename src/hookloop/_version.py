@@ -2,4 +2,4 @@
 takes it from here, never from the package ``__init__`` (which imports the
 loop, and so everything else)."""
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

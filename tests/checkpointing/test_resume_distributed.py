@@ -50,25 +50,25 @@ def test_two_processes_killed_then_preempted_on_one_rank_end_equal(tmp_path):
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000003"
 
     # 2. resumed at 3; only rank 1 gets SIGTERM, in batch 9 (update 5): the
-    # ranks agree at the next check (global_step 4, every 2 updates) and both
-    # stop when update 5 completes
+    # ranks agree at the next safe point that checks (every 2 updates: the one
+    # of update 6, the epoch's last) and both stop there
     process = runner.launch_two(out, *ARGS, "--pause", "selfterm:9:1")
     output = process.communicate(timeout=runner.PATIENCE_S)[0]
     assert process.returncode != 0, output[-4000:]
     stops = [json.loads((out / f"preempted-{r}.json").read_text()) for r in (0, 1)]
     assert [s["started_at"] for s in stops] == [3, 3]
-    assert [s["step"] for s in stops] == [5, 5], output[-4000:]
+    assert [s["step"] for s in stops] == [6, 6], output[-4000:]
     assert [s["code"] for s in stops] == [75, 75]
-    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000005"
-    doc = json.loads((out / "checkpoints" / "step-00000005" / "hookloop.json").read_text())
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000006"
+    doc = json.loads((out / "checkpoints" / "step-00000006" / "hookloop.json").read_text())
     assert doc["num_processes"] == 2 and doc["reason"] == "preempted"
     assert {"random_states_0.pkl", "random_states_1.pkl", "hookloop-rank0.safetensors",
             "hookloop-rank1.safetensors"} <= set(doc["files"])
 
-    # 3. resumed at 5: ends where the uninterrupted two-process run ends
+    # 3. resumed at 6: ends where the uninterrupted two-process run ends
     finish(runner.launch_two(out, *ARGS))
     run = json.loads((out / "run.json").read_text())
-    assert run["started_at"] == 5 and run["num_processes"] == 2 and run["global_step"] == 8
+    assert run["started_at"] == 6 and run["num_processes"] == 2 and run["global_step"] == 8
     assert runner.same(runner.params(out), reference) == []
 
 

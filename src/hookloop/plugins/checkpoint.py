@@ -60,24 +60,28 @@ class Checkpoint(CheckpointPolicy):
         one process only (with several, an error on one rank cannot be saved
         without the others).
     :param signals: the signals that stop training cleanly (None or ``()``:
-        leave signal handling alone). The current optimizer step finishes, a
-        checkpoint is saved, ``on_exception`` hooks run and
+        leave signal handling alone). The current update and its
+        evaluation finish, a checkpoint is saved at its safe point,
+        ``on_exception`` hooks run and
         :class:`~hookloop.preemption.Preempted` is raised: uncaught, the
         process exits with status 75 (``PREEMPTED_EXIT_CODE``). Every
         Checkpoint plugin of a process shares one set of handlers: all of
         them save, and the handlers from before the fit come back however it
         ends. A signal during the fit's final save also ends with status 75.
     :param signal_check_every: with several processes, agree on a stop
-        every N steps (one all-reduce of an int on a CPU group, ~0.1-0.3 ms
-        on a 2-core machine); one process checks its flag every step, for
-        free.
+        at the safe points of every N-th update and at every epoch end (one
+        all-reduce of an int on a CPU group, ~0.1-0.3 ms on a 2-core
+        machine); one process checks its flag at every safe point, for free.
     :param trust_pickles: names of ``custom_checkpoint_<i>.pkl`` files (the
         state of objects given to ``accelerator.register_for_checkpointing``)
         that resuming may unpickle although they are not plain data.
         Unpickling runs the code a file names: trust only your own.
 
-    Every fit also ends with a checkpoint of its final position, unless one
-    was just saved there (or it ended inside an accumulation group). A run
+    Checkpoints are written only at the loop's safe points (``on_safe_point``,
+    this plugin's hook is ``trylast``): after an update and its ``eval_every``
+    evaluation, and after an epoch's end, where a resume continues exactly
+    what the uninterrupted run does next. Every fit also ends with a
+    checkpoint of its final position, unless one was just saved there. A run
     starting from scratch, or resumed from another directory, in a directory
     that holds checkpoints not its own is refused (they would be replaced and
     rotated away). A save of non-finite weights is refused
