@@ -23,4 +23,15 @@ def _fresh_accelerate_state():
 
     reset_accelerate()
     yield
+    _close_open_loops()
     reset_accelerate()
+
+
+def _close_open_loops():
+    """Close the loops a test left open, as the interpreter does at exit:
+    their signal handlers (a Checkpoint plugin's, from Loop(...) on) and
+    prepared objects do not leak into the next test."""
+    from hookloop.loop import _open_loops
+
+    for loop in list(_open_loops):
+        loop.close()

@@ -6,6 +6,7 @@ it may take any subset of the hook's arguments, by name.
 
 Call order for one epoch of supervised training with an evaluation set::
 
+    on_loop_start                                       once, in Loop(...)
     on_fit_start
       (sanity check: eval_step + after_eval_step on one eval batch)
       on_epoch_start
@@ -27,6 +28,7 @@ Call order for one epoch of supervised training with an evaluation set::
       on_epoch_end
       on_safe_point(epoch_end=True)                     fit_end=True after the fit's last epoch
     on_fit_end
+    on_loop_end                                         once, in loop.close()
 
 ``on_exception`` replaces the rest of this sequence when anything raises.
 
@@ -102,6 +104,38 @@ from .markers import hookspec
 # ---------------------------------------------------------------------------
 # fit: the whole run
 # ---------------------------------------------------------------------------
+
+
+@hookspec
+def on_loop_start(loop):
+    """Called once by ``Loop(...)`` when its plugins are registered, before
+    it prepares the networks and data or restores ``resume_from``.
+
+    The place for what must hold for the loop's whole life, not one fit:
+    the ``Checkpoint`` plugin installs its signal handlers here, so that a
+    preemption during start-up, ``load_checkpoint``, or an ``evaluate`` /
+    ``predict`` after ``fit`` also ends with status 75. Nothing is prepared
+    yet: ``loop.networks`` hold the user's objects.
+
+    :param loop: the :class:`~hookloop.Loop` being built.
+
+    Return value ignored.
+
+    .. versionadded:: 0.3
+    """
+
+
+@hookspec
+def on_loop_end(loop):
+    """Called once when :meth:`Loop.close` releases the loop (also for every
+    loop still open at interpreter exit): undo what ``on_loop_start`` did.
+
+    :param loop: the :class:`~hookloop.Loop`.
+
+    Return value ignored.
+
+    .. versionadded:: 0.3
+    """
 
 
 @hookspec

@@ -101,6 +101,8 @@ class Loop:
             list(plugins), strategy=self.strategy, builtins=BUILTINS, block=block,
             defaults=[*self.strategy.default_plugins(), ProgressBar(), FiniteCheck()],
         )
+        self._closed = False
+        self.hook.on_loop_start(loop=self)
         self._prepare_data = prepare
         self._prepared = weakref.WeakKeyDictionary()  # DataLoader -> prepared, for evaluate/predict
         if prepare:
@@ -445,16 +447,21 @@ class Loop:
 
     def _rest_of_epoch(self, resume):
         """The batches of the current epoch after ``state.step_in_epoch``, in
-        the order the epoch drew (its iterator is started from the random
-        state the epoch started from, then the random state is put back
-        where the run stopped), or None if none is left of an epoch whose
-        end already ran."""
-        state = self.state
+        the order the epoch drew, or None if none is left of an epoch whose
+        end already ran. A stateful loader (``use_stateful_dataloader``)
+        continues from its own state (restored by :meth:`load_checkpoint`,
+        or where this process left it); any other is started from the random
+        state the epoch started from and its seen batches are skipped (a
+        stream is read again up to there), then the random state is put back
+        where the run stopped."""
+        state, data = self.state, self.train_data
         if resume is None:  # a second fit() in this process
             resume = rng.Resume(epoch_start=state.epoch_start, rng=rng.capture_rng())
+            if getattr(data, "use_stateful_dataloader", False):
+                data.load_state_dict(data.state_dict())  # where its last iteration was left
         state.epoch_start = resume.epoch_start
-        return resume.batches(self.accelerator, self.train_data, state.step_in_epoch,
-                              none_if_empty=state.epoch_ended)
+        skip = None if getattr(data, "use_stateful_dataloader", False) else state.step_in_epoch
+        return resume.batches(self.accelerator, data, skip, none_if_empty=state.epoch_ended)
 
     # -- checkpoints ---------------------------------------------------------------
 
@@ -553,6 +560,15 @@ class Loop:
         process group: several gloo processes with a DDP-wrapped model
         otherwise abort in about 1 run in 3 while the interpreter tears down
         ("terminate called without an active exception")."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.hook.on_loop_end(loop=self)
+        finally:
+            self._release()
+
+    def _release(self):
         for network in self.networks.values():
             network.model = network.unwrapped
             network.optimizer = network.scheduler = None

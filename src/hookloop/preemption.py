@@ -1,4 +1,5 @@
-"""Stop cleanly when the scheduler says so: SIGTERM / SIGINT handling.
+"""Stop cleanly when the scheduler says so: SIGTERM / SIGINT handling, from
+``Loop(...)`` on.
 
 A cluster scheduler (SLURM, Kubernetes) preempts a job by sending SIGTERM and,
 after a grace period, SIGKILL. :class:`SignalWatcher` turns the first SIGTERM
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import weakref
 
 import torch
 
@@ -83,6 +85,13 @@ class SignalWatcher:
     once (a user pressing Ctrl-C twice wants out now; the checkpoint being
     written, if any, is left as a temporary directory that the next run
     ignores).
+
+    Outside a fit there is no safe point to wait for: a watcher whose
+    :attr:`immediate` is set acts in the handler itself (the ``Checkpoint``
+    plugin raises :class:`Preempted` there: status 75 during start-up,
+    ``load_checkpoint``, or an ``evaluate`` / ``predict`` after ``fit``),
+    unless another installed watcher of the signal is inside a fit, which
+    then stops at its next safe point.
     """
 
     def __init__(self, signals=DEFAULT_SIGNALS):
@@ -91,6 +100,9 @@ class SignalWatcher:
         )
         #: the first signal received (its number), or None
         self.received: int | None = None
+        #: called with the signal number from the handler, when set (outside
+        #: a fit); None: only record it, for a safe point to act on
+        self.immediate = None
         self._installed = False
         self._group = _UNSET  # the CPU process group the flag is reduced on
 
@@ -107,6 +119,12 @@ class SignalWatcher:
         _HUB.add(self)
         self._installed = True
         return True
+
+    def start_fit(self) -> None:
+        """A fit begins: signals wait for its safe points; no stop is pending."""
+        self.immediate = None
+        self.received = None
+        _HUB.agreed = None
 
     def uninstall(self) -> None:
         """Stop watching; the last watcher out puts the previous handlers back."""
@@ -147,26 +165,35 @@ class SignalWatcher:
 
 class _Hub:
     """The process's one set of handlers for every installed
-    :class:`SignalWatcher`."""
+    :class:`SignalWatcher`. Watchers are held weakly: a loop dropped without
+    ``close()`` does not keep its watcher (or itself) alive, and once no
+    watcher of a signal is left the previous handler is back."""
 
     def __init__(self):
-        self.watchers: list[SignalWatcher] = []
+        self._watchers: list = []  # weak references, in install order
         #: signal -> the handler that was there before the first watcher
         self.previous: dict = {}
-        #: a stop some watcher agreed on (reset when the last one leaves)
+        #: a stop some watcher agreed on during the current fit
         self.agreed: int | None = None
+
+    @property
+    def watchers(self) -> list[SignalWatcher]:
+        return [w for w in (ref() for ref in self._watchers) if w is not None]
 
     def add(self, watcher) -> None:
         if not self.watchers:
             self.agreed = None
-        self.watchers.append(watcher)
+        self._watchers.append(weakref.ref(watcher))
         for sig in watcher.signals:
             if sig not in self.previous:
                 self.previous[sig] = signal.getsignal(sig)
                 signal.signal(sig, self._handle)
 
     def remove(self, watcher) -> None:
-        self.watchers = [w for w in self.watchers if w is not watcher]
+        self._watchers = [ref for ref in self._watchers if ref() is not None and ref() is not watcher]
+        self._restore_unneeded()
+
+    def _restore_unneeded(self) -> None:
         needed = {sig for w in self.watchers for sig in w.signals}
         for sig in [s for s in self.previous if s not in needed]:
             handler = self.previous.pop(sig)
@@ -176,11 +203,17 @@ class _Hub:
 
     def _handle(self, signum, frame):
         targets = [w for w in self.watchers if signum in w.signals]
+        if not targets:  # every watcher of it is gone: the previous handler gets it
+            self._restore_unneeded()
+            signal.raise_signal(signum)
+            return
         if signum == signal.SIGINT and any(w.received is not None for w in targets):
             raise KeyboardInterrupt
         for watcher in targets:
             if watcher.received is None:
                 watcher.received = signum
+        if all(w.immediate is not None for w in targets):
+            targets[0].immediate(signum)  # no fit to stop at a safe point: act now
 
 
 #: the process-wide handlers (one per process, whatever the number of watchers)

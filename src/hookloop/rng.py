@@ -108,32 +108,41 @@ class Resume:
         if self.generators:
             restore_generators(data, self.generators)
 
-    def batches(self, accelerator, data, skip: int, none_if_empty: bool = False):
+    def batches(self, accelerator, data, skip: int | None, none_if_empty: bool = False):
         """The rest of the interrupted epoch: the same batches in the same
         order, without loading the ``skip`` seen ones, and the RNG where
         the run stopped when the first of them comes out. ``none_if_empty``:
         None instead of an exhausted iterator when nothing is left (the
-        first batch is drawn here to know)."""
-        batches = _skip(accelerator, data, skip)
+        first batch is drawn here to know). ``skip=None``: the loader knows
+        where it is itself (a stateful loader whose state was restored), so
+        it is only iterated, from the epoch's random states as the others
+        (a stream without a state of its own is fast-forwarded by the
+        loader, and must draw the same order)."""
+        batches = data if skip is None else _skip(accelerator, data, skip)
         if self.epoch_start is None:
             self.restore_now(data)
             if not none_if_empty:
                 return batches
-            it = iter(batches)
-            first = next(it, _END)
-        else:
-            # redraw the epoch's shuffle: start the iterator from the epoch's RNG
-            restore_rng(self.epoch_start["rng"])
-            restore_generators(data, self.epoch_start["generators"])
-            it = iter(batches)
-            first = next(it, _END)
-            restore_rng(self.rng)
-        if first is _END:
-            return None if none_if_empty else it
-        return itertools.chain([first], it)
+            return first_or_none(batches, none_if_empty)
+        # redraw the epoch's shuffle: start the iterator from the epoch's RNG
+        restore_rng(self.epoch_start["rng"])
+        restore_generators(data, self.epoch_start["generators"])
+        batches = first_or_none(batches, none_if_empty)
+        restore_rng(self.rng)
+        return batches
 
 
 _END = object()
+
+
+def first_or_none(batches, none_if_empty: bool = True):
+    """``batches`` with its first item drawn (to know whether there is one):
+    None if empty and ``none_if_empty``."""
+    it = iter(batches)
+    first = next(it, _END)
+    if first is _END:
+        return None if none_if_empty else it
+    return itertools.chain([first], it)
 
 
 def _skip(accelerator, data, skip):

@@ -359,12 +359,17 @@ def test_two_checkpoint_plugins_both_save_on_sigterm_and_give_the_handlers_back(
     for root in (tmp_path / "a", tmp_path / "b"):
         assert (root / "latest").read_text().strip() == "step-00000003"
         assert read_manifest(root / "step-00000003")["reason"] == "preempted"
+    loop.close()
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
-def test_a_finished_fit_gives_the_handlers_back(tmp_path):
+def test_the_handlers_stay_after_a_fit_and_come_back_when_the_loop_is_closed(tmp_path):
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-    tiny_loop(list(two_checkpoints(tmp_path))).fit(max_steps=2)
+    loop = tiny_loop(list(two_checkpoints(tmp_path)))
+    loop.fit(max_steps=2)
+    # a preemption during an evaluate() or predict() after fit still ends with 75
+    assert signal.getsignal(signal.SIGTERM) is not before[0]
+    loop.close()
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
@@ -383,6 +388,7 @@ def test_handlers_come_back_even_when_another_plugins_cleanup_raises(tmp_path):
     loop = tiny_loop([Boom(), BadCleanup(), Checkpoint(dir=tmp_path)])
     with pytest.raises(Exception, match="boom"):
         loop.fit(max_steps=2)
+    loop.close()
     assert signal.getsignal(signal.SIGTERM) is before
 
 

@@ -80,7 +80,8 @@ def test_sigint_in_process_stops_after_the_step_saves_and_calls_on_exception(tin
     assert (tmp_path / "latest").read_text().strip() == "step-00000003"
     assert recorder.names()[-2:] == ["after_step", "on_exception"]
     assert "on_fit_end" not in recorder.names()
-    assert signal.getsignal(signal.SIGINT) is before  # handlers given back
+    loop.close()
+    assert signal.getsignal(signal.SIGINT) is before  # handlers given back with the loop
 
 
 def test_under_accumulation_the_stop_waits_for_the_optimizer_step(tiny_loop, tmp_path):
@@ -115,3 +116,62 @@ def test_signals_none_leaves_signal_handling_alone(tiny_loop, tmp_path):
     before = signal.getsignal(signal.SIGTERM)
     tiny_loop([Checkpoint(dir=tmp_path, signals=None), Look()]).fit(max_steps=1)
     assert seen == [before]
+
+
+# -- preemption covers the whole process: start-up, load_checkpoint, after fit --------------
+
+
+def _held(process, out, rank=0):
+    marker = out / f"paused-{rank}"
+    while not marker.exists():
+        assert process.poll() is None, process.communicate()[0][-3000:]
+        time.sleep(0.02)
+    return json.loads(marker.read_text())
+
+
+def test_sigterm_during_start_up_in_load_checkpoint_exits_75_and_the_run_resumes(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    first = runner.plain_python(out, *ARGS, "--pause", "step:7")
+    os.kill(_held(first, out)["pid"], signal.SIGKILL)  # a checkpoint after update 3 is left
+    first.communicate(timeout=runner.PATIENCE_S)
+    process = runner.plain_python(out, *ARGS, "--pause", "load")  # held in Loop(resume_from=...)
+    _held(process, out)
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=runner.PATIENCE_S)[0]
+    assert process.returncode == PREEMPTED_EXIT_CODE, output[-3000:]  # not -15
+    assert "SIGTERM received outside fit (nothing new to save" in output
+    stopped = json.loads((out / "preempted-0.json").read_text())
+    assert stopped["where"] == "start-up" and stopped["code"] == 75
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000003"  # nothing new
+    final = runner.Run(out, *ARGS, name="resumed").finish()
+    assert json.loads((out / "run.json").read_text())["started_at"] == 3
+    reference = runner.Run(tmp_path / "reference", *ARGS).finish()
+    assert runner.same(final, reference) == []
+
+
+def test_sigterm_during_a_predict_after_fit_exits_75_and_marks_the_root(tmp_path):
+    process = runner.plain_python(tmp_path, *ARGS, "--predict", "--pause", "predict:2")
+    _held(process, tmp_path)
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=runner.PATIENCE_S)[0]
+    assert process.returncode == PREEMPTED_EXIT_CODE, output[-3000:]  # not -15
+    stopped = json.loads((tmp_path / "preempted-0.json").read_text())
+    assert stopped["where"] == "predict" and stopped["step"] == 12
+    root = tmp_path / "checkpoints"
+    assert stopped["checkpoint"] == str(root / "step-00000012-epoch-end")  # the fit's last
+    marker = json.loads((root / "PREEMPTED").read_text())  # for a wrapper under a launcher
+    assert marker["signal"] == "SIGTERM" and marker["global_step"] == 12
+    assert not (root / "hookloop.lock").exists()  # no fit holds the root
+
+
+def test_a_sigint_between_two_fits_raises_preempted_in_process(tiny_loop, tmp_path):
+    loop = tiny_loop([Checkpoint(dir=tmp_path)])
+    loop.fit(max_steps=2)
+    with pytest.raises(Preempted) as info:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)  # the handler runs in the main thread before this returns
+    assert info.value.global_step == 2 and info.value.checkpoint == tmp_path / "step-00000002"
+    assert (tmp_path / "PREEMPTED").exists()
+    loop.fit(max_steps=4)  # a resumed fit is the next one: the marker goes
+    assert not (tmp_path / "PREEMPTED").exists()

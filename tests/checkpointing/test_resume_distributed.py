@@ -86,3 +86,46 @@ def test_a_two_process_gan_killed_mid_epoch_ends_equal(tmp_path):
     run = json.loads((out / "run.json").read_text())
     assert run["started_at"] == 6 and run["num_processes"] == 2 and run["global_step"] == 8
     assert runner.same(runner.params(out), runner.params(ref)) == []
+
+
+@pytest.mark.slow
+def test_two_processes_sent_sigterm_during_a_predict_after_fit_both_exit_75(tmp_path):
+    """As a cluster scheduler signals every task of a job: each rank ends with
+    the documented status (the launcher reports its own, 1), none hangs."""
+    process = runner.launch_two(tmp_path, *ARGS, "--predict", "--pause", "predict:1")
+    pids = []
+    for rank in (0, 1):
+        marker = tmp_path / f"paused-{rank}"
+        while not marker.exists():
+            assert process.poll() is None, process.communicate()[0][-4000:]
+            time.sleep(0.05)
+        pids.append(json.loads(marker.read_text())["pid"])
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    output = process.communicate(timeout=runner.PATIENCE_S)[0]
+    stops = [json.loads((tmp_path / f"preempted-{r}.json").read_text()) for r in (0, 1)]
+    assert [s["where"] for s in stops] == ["predict", "predict"], output[-4000:]
+    assert [s["code"] for s in stops] == [75, 75]
+    assert "exitcode  : 75" in output or "exitcode: 75" in output  # what the launcher saw
+    assert (tmp_path / "checkpoints" / "PREEMPTED").exists()
+
+
+@pytest.mark.slow
+def test_a_two_process_stream_killed_mid_epoch_ends_equal(tmp_path):
+    """An IterableDataset without a length (Accelerate dispatches its batches
+    from the main process), resumed by replaying it to the saved position."""
+    args = ("--strategy", "supervised", "--accum", "1", "--epochs", "2", "--every-steps", "3",
+            "--data", "stream")
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    finish(runner.launch_two(ref, *args))
+    reference = runner.params(ref)
+    out = tmp_path / "run"
+    out.mkdir()
+    # 64 rows in batches of 8 for two ranks: 4 updates an epoch; batch 7 is mid-epoch 1
+    kill_when_paused(runner.launch_two(out, *args, "--pause", "step:7"), out)
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000006"
+    finish(runner.launch_two(out, *args))
+    run = json.loads((out / "run.json").read_text())
+    assert run["started_at"] == 6 and run["num_processes"] == 2
+    assert runner.same(runner.params(out), reference) == []

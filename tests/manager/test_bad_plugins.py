@@ -38,7 +38,7 @@ def test_a_typo_in_a_hook_name_fails_at_construction_with_a_suggestion():
     assert "plugin 'Typo'" in message
     assert "method 'after_backwards'" in message
     assert "Did you mean 'after_backward'?" in message
-    assert "Valid hooks: on_fit_start" in message and "on_epoch_end" in message
+    assert "Valid hooks: on_loop_start, on_loop_end, on_fit_start" in message and "on_epoch_end" in message
 
 
 def test_an_argument_the_hook_does_not_have_fails_at_construction():

@@ -371,7 +371,8 @@ def test_lambda_callback_runs_functions_by_hookloop_and_lightning_names(tiny_loo
 
 def test_lambda_callback_errors_list_the_valid_choices(tiny_loop):
     with pytest.raises(PluginValidationError, match=r"'on_batch_end' is not a hook\. hookloop hooks: "
-                                                    r"on_fit_start, .*Lightning names accepted: setup"):
+                                                    r"on_loop_start, .*on_fit_start, .*Lightning names "
+                                                    r"accepted: setup"):
         LambdaCallback(on_batch_end=lambda: None)
     with pytest.raises(PluginValidationError, match=r"'on_save_checkpoint' is Lightning's name .*state_dict"):
         LambdaCallback(on_save_checkpoint=lambda: None)

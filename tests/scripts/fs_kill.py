@@ -56,6 +56,7 @@ import builtins  # noqa: E402
 import hashlib  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
@@ -125,7 +126,9 @@ class Injector:
             text = repr(path)
         if text.startswith(self.root):
             text = text[len(self.root):].lstrip("/") or "."
-        return text.replace(self._pid, "PID")
+        text = text.replace(self._pid, "PID")
+        # a save's temporary folder is .tmp-<name>-<run id prefix>-<pid>: the run id is new each run
+        return re.sub(r"(\.tmp-[^/]*)-[0-9a-f]{8}-PID", r"\1-RUN-PID", text)
 
     def _op(self, what: str):
         if not self.armed:

@@ -3,8 +3,14 @@ tests/test_preemption.py, tests/test_resume_distributed.py).
 
     python resumable.py OUT [--strategy supervised|gan] [--accum K] [--epochs E]
                             [--every-steps N] [--pause WHERE] [--signal-check-every N]
+                            [--data map|stream|stateful]
 
-Trains (shuffled data, dropout, a warm-up schedule, gradient accumulation K)
+Trains (shuffled data, dropout, a warm-up schedule, gradient accumulation K;
+``--data stream``: an ``IterableDataset`` without a length that draws a new
+order from the global RNG at each pass, resumed by replaying it;
+``--data stateful``: a stream with an order and a state of its own, as a
+``datasets.IterableDataset`` has, through torchdata's ``StatefulDataLoader``,
+resumed from the loader's state)
 with ``Checkpoint(dir=OUT/checkpoints, every_steps=N)`` and
 ``resume_from="latest"``, then the main process writes OUT/params.pt, every
 network's final parameters. Works alone or under ``accelerate launch
@@ -28,12 +34,19 @@ the script writes OUT/paused-<rank> (its pid, where) and sleeps until killed:
     inside the save after update K, at STAGE (as ``save:``), until a signal
     arrives; then the save and the run go on;
 ``selfterm:K:R``
-    rank R sends itself SIGTERM in batch K's ``after_step`` and goes on.
+    rank R sends itself SIGTERM in batch K's ``after_step`` and goes on;
+``load``
+    inside ``load_checkpoint`` (start-up, ``resume_from``), until killed or
+    signalled;
+``predict:K``
+    in ``eval_step`` of the K-th batch of the ``predict`` after ``fit``
+    (``--predict``), until killed or signalled.
 
 With ``--accum 2`` an update is two batches: batch K ends update K/2.
 
-When stopped by a signal, each rank writes OUT/preempted-<rank>.json
-(the step it stopped after, the checkpoint) before exiting with status 75.
+When stopped by a signal (in a fit, or outside one: start-up, ``--predict``),
+each rank writes OUT/preempted-<rank>.json (the step it stopped after, the
+checkpoint, where) before exiting with status 75.
 """
 
 import argparse
@@ -48,7 +61,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.optim.lr_scheduler import LambdaLR
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from hookloop import Loop, Network, hookimpl
 from hookloop.checkpointing import codec, layout, saving
@@ -85,6 +98,14 @@ class Pauser:
                 pause_here(self.out, rank, "signal",
                            until=lambda: self.checkpoint.watcher.received is not None)
 
+    @hookimpl(wrapper=True)
+    def eval_step(self, loop):
+        if self.kind == "predict" and loop.state.stage == "predict":
+            self.predicted = getattr(self, "predicted", 0) + 1
+            if self.predicted == int(self.args[0]):
+                pause_here(self.out, loop.accelerator.process_index, "predict")
+        return (yield)
+
     @hookimpl
     def after_step(self, loop):
         step = loop.state.micro_step
@@ -109,6 +130,55 @@ def pause_in_save(stage, step, out, rank, until=None):
         return original(*args, **kwargs)
 
     setattr(module, target, held)
+
+
+class Stream(IterableDataset):
+    """Rows without a length: each pass draws a new order from the global
+    torch RNG (so a resume must redraw it from the epoch's random state)."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __iter__(self):
+        for i in torch.randperm(len(self.x)).tolist():
+            yield self.x[i], self.y[i]
+
+
+class SeededStream(IterableDataset):
+    """A stream with its own order (seeded by its epoch, which the loop sets
+    through ``set_epoch``) and state (epoch, position), as Hugging Face
+    ``datasets.IterableDataset`` has: a ``StatefulDataLoader`` resumes it."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+        self.epoch, self.position, self._start = 0, 0, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state):
+        self.epoch, self._start = state["epoch"], state["position"]
+
+    def __iter__(self):
+        order = torch.randperm(len(self.x), generator=torch.Generator().manual_seed(100 + self.epoch))
+        start, self._start = self._start, 0
+        for position in range(start, len(self.x)):
+            self.position = position + 1
+            i = int(order[position])
+            yield self.x[i], self.y[i]
+
+
+def loader(args, x, y):
+    if args.data == "map":
+        return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
+    if args.data == "stateful":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader(SeededStream(x, y), batch_size=8)
+    return DataLoader(Stream(x, y), batch_size=8)
 
 
 def mlp(i, o, dropout):
@@ -138,10 +208,10 @@ def build(args, accelerator, plugins):
                     plugins=plugins, accelerator=accelerator, block=["progress"],
                     resume_from="latest")
     x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))
-    data = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
+    data = loader(args, x, y)
     model = mlp(8, 3, 0.2)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    scheduler = warmup(optimizer, args.epochs * len(data))
+    scheduler = warmup(optimizer, args.epochs * 8)  # 64 rows, batch 8 (a stream has no len)
     return Loop(model=model, optimizer=optimizer, scheduler=scheduler, train_data=data,
                 plugins=plugins, accelerator=accelerator, block=["progress"],
                 resume_from="latest")
@@ -156,10 +226,15 @@ def main(argv=None):
     parser.add_argument("--every-steps", type=int, default=3)
     parser.add_argument("--signal-check-every", type=int, default=10)
     parser.add_argument("--pause", default="")
+    parser.add_argument("--data", default="map", choices=["map", "stream", "stateful"])
+    parser.add_argument("--predict", action="store_true", help="predict on the training data after fit")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accum)
+    from accelerate.utils import DataLoaderConfiguration
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accum, dataloader_config=(
+        DataLoaderConfiguration(use_stateful_dataloader=args.data == "stateful")))
     rank = accelerator.process_index
     checkpoint = Checkpoint(dir=args.out / "checkpoints", every_steps=args.every_steps,
                             keep_last=3, signal_check_every=args.signal_check_every)
@@ -167,18 +242,34 @@ def main(argv=None):
         kind, stage, step = args.pause.split(":")
         until = (lambda: checkpoint.watcher.received is not None) if kind == "savesignal" else None
         pause_in_save(stage, int(step), args.out, rank, until=until)
+    if args.pause == "load":
+        from hookloop import checkpointing
+
+        load = checkpointing.load
+
+        def held_load(*a, **kw):
+            pause_here(args.out, rank, "load")
+            return load(*a, **kw)
+
+        checkpointing.load = held_load
     plugins = [GradClip(max_norm=1.0), checkpoint, Pauser(args.pause, args.out, checkpoint)]
-    loop = build(args, accelerator, plugins)
-    start = loop.state.global_step
+    where, loop, start = "start-up", None, None
     try:
+        loop = build(args, accelerator, plugins)
+        start, where = loop.state.global_step, "fit"
         loop.fit(epochs=args.epochs)
+        if args.predict:
+            where = "predict"
+            loop.predict(loop.train_data)
     except Preempted as stop:
         (args.out / f"preempted-{rank}.json").write_text(json.dumps({
             "step": stop.global_step, "code": stop.code, "checkpoint": str(stop.checkpoint),
-            "signal": int(stop.signal), "started_at": start,
+            "signal": int(stop.signal), "started_at": start, "where": where,
         }))
-        accelerator.wait_for_everyone()
-        loop.close()
+        if where == "fit":  # every rank stopped at the same safe point
+            accelerator.wait_for_everyone()
+        if loop is not None:
+            loop.close()
         raise
     if accelerator.is_main_process:
         torch.save({f"{name}.{k}": v.detach().clone()

@@ -110,7 +110,8 @@ from .codec import from_data, to_data  # noqa: F401
 from .collective import _all_ok, agree, every_rank  # noqa: F401
 from .layout import FORMAT, LATEST, RANK_FILE, STATE_FILE, TENSORS_FILE  # noqa: F401
 from .layout import TMP_PREFIX, TRASH_PREFIX, VERSION  # noqa: F401
-from .layout import is_run_dir, newest_run, next_run_name, run_folders  # noqa: F401
+from .layout import is_run_dir, next_run_name, run_folders  # noqa: F401
+from .runs import newest_run  # noqa: F401
 from .runs import describe_run  # noqa: F401
 
 # hookloop 0.2's private names that code outside the package used

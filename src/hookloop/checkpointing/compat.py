@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..batches import length_of, loader_batch_size
 from . import accelerate as accel
+from . import safe_read
 from .codec import stateful_plugins
 from .errors import CheckpointError
 
@@ -57,15 +58,25 @@ def run_settings(loop) -> dict:
 
 
 def _sampler_name(data):
+    """The class of the innermost sampler under a (prepared) loader's batch
+    samplers. Never truth-tests a sampler: a stream's has no length."""
     if data is None:
         return None
-    obj = getattr(data, "batch_sampler", None) or getattr(data, "sampler", None)
+    obj = _first_of(data, "batch_sampler", "sampler")
     for _ in range(6):
-        inner = getattr(obj, "batch_sampler", None) or getattr(obj, "sampler", None)
+        inner = _first_of(obj, "batch_sampler", "sampler")
         if inner is None:
             break
         obj = inner
     return type(obj).__name__ if obj is not None else None
+
+
+def _first_of(obj, *names):
+    for name in names:
+        value = getattr(obj, name, None)
+        if value is not None:
+            return value
+    return None
 
 
 def check_compatible(loop, path: Path, doc: dict, strict: bool) -> list[str]:
@@ -121,7 +132,8 @@ def _check_networks(loop, path: Path, doc: dict, where: str) -> None:
     owner = {entry["model"]: name for name, entry in now.items()}
     for index, model in enumerate(accel.models(acc)):
         file = accel.model_file(index)
-        _check_shapes(path / file, model, owner.get(file, f"accelerator model #{index}"), where)
+        _check_shapes(path / file, model, owner.get(file, f"accelerator model #{index}"), where,
+                      (doc.get("files") or {}).get(file))
 
 
 def _check_settings(loop, doc: dict, where: str, strict: bool) -> list[str]:
@@ -173,17 +185,18 @@ def _short(qualified: str) -> str:
     return qualified.rsplit(".", 1)[-1]
 
 
-def _check_shapes(file: Path, model, network: str, where: str) -> None:
+def _check_shapes(file: Path, model, network: str, where: str, size: int | None = None) -> None:
     """Compare a saved model's tensor names and shapes with the model's,
-    reading only the safetensors header."""
-    from safetensors import safe_open
-
+    reading only the safetensors header (``size``: the file's size as the
+    manifest records it, the most that is opened)."""
     expected = model.state_dict()
     try:
-        with safe_open(str(file), framework="pt") as f:
-            saved = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
-    except Exception as exc:  # noqa: BLE001 - any unreadable header means corrupt
-        raise CheckpointError(f"{where}: cannot read {file.name}: {exc}") from exc
+        saved = header_shapes(file, size)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{where}: cannot read {file.name}: {exc}") from None
+    except OSError as exc:
+        raise CheckpointError(f"{where}: cannot read {file.name}: {type(exc).__name__}: "
+                              f"{exc.strerror or exc}") from None
 
     def show(key):
         return key[len("module."):] if key.startswith("module.") else key
@@ -207,3 +220,34 @@ def _check_shapes(file: Path, model, network: str, where: str) -> None:
                 f"{where}: network {network!r} tensor {show(key)!r} is not in the checkpoint: "
                 "a model of another architecture?"
             )
+
+
+def header_shapes(file: Path, size: int | None = None) -> dict:
+    """``{tensor name: shape}`` from the header of safetensors file ``file``,
+    read through :func:`~.safe_read.open_checked` (a regular file inside its
+    checkpoint folder, at most ``size`` bytes when given) and parsed with a
+    size and depth limit; :class:`CheckpointError` if it is not one."""
+    limit = size if size is not None else 1 << 62
+    with safe_read.open_checked(file, file.parent, limit=limit, what="a safetensors header",
+                                why="the size the manifest records") as opened:
+        head = opened.read_at(0, 8)
+        if len(head) < 8:
+            raise CheckpointError(f"it is {opened.size} bytes, too short for a safetensors header")
+        length = int.from_bytes(head, "little")
+        if length > min(safe_read.HEADER_LIMIT, opened.size - 8):
+            raise CheckpointError(f"its header claims {length} bytes (the file has {opened.size}): "
+                                  "it is corrupt")
+        header = safe_read.loads_json(opened.read_at(8, length), file)
+    bad = CheckpointError("its header is not a safetensors header: it is corrupt")
+    if not isinstance(header, dict):
+        raise bad
+    shapes = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if not isinstance(shape, list) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+            raise bad
+        shapes[key] = tuple(shape)
+    return shapes

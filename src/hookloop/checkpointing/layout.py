@@ -1,7 +1,8 @@
 """Names and places: what the files and directories of a checkpoint root
 are called, where the run folders are, and the ``latest`` pointer.
 
-Nothing here reads a checkpoint's content (see :mod:`.manifest`).
+Nothing here reads a checkpoint's content (see :mod:`.manifest`; which run
+folder ``latest`` continues is :func:`.runs.newest_run`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import re
 import shutil
 from pathlib import Path
 
+from . import safe_read
 from .errors import CheckpointError
 
 FORMAT = "hookloop-checkpoint"
@@ -67,16 +69,34 @@ def list_checkpoints(root) -> list[Path]:
     return sorted(found, key=sort_key)
 
 
+class NotACheckpointName(CheckpointError):
+    """``latest`` holds a plain name in its root that is not a checkpoint's
+    (:data:`NAME_PATTERN`): a temporary folder (``.tmp-...``), a deleted one
+    (``.trash-...``), or anything else. ``resume_from="latest"`` then falls
+    back to the newest usable checkpoint."""
+
+
 def read_latest(root) -> str | None:
     """The checkpoint name ``root/latest`` holds (None: no such file, or
-    empty). A name that is not one directory entry of ``root`` (an absolute
-    path, ``..``, a path with separators) or text that is not UTF-8 is a
-    :class:`CheckpointError`: ``latest`` is never followed outside its root."""
+    empty). ``latest`` is read as every file of a checkpoint root is
+    (:func:`~.safe_read.open_checked`): a regular file inside ``root``, at
+    most :data:`~.safe_read.LATEST_LIMIT` bytes, never a FIFO or a device,
+    never a link out of the root; else a :class:`CheckpointError` naming it.
+    A name that is not one directory entry of ``root`` (an absolute path,
+    ``..``, a path with separators) or text that is not UTF-8 is a
+    :class:`CheckpointError`: ``latest`` is never followed outside its root.
+    A plain name that is not a checkpoint's (:data:`NAME_PATTERN`: a
+    ``.tmp-`` or ``.trash-`` folder ...) is a :class:`NotACheckpointName`."""
     file = Path(root) / LATEST
     try:
-        raw = file.read_bytes()
+        raw = safe_read.read_checked(file, root, limit=safe_read.LATEST_LIMIT,
+                                     what="the name of the latest checkpoint",
+                                     why="the most a checkpoint's name takes")
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except safe_read.RefusedFile as exc:
+        raise CheckpointError(f"{str(file)!r} {exc.problem}. Delete it (resume_from='latest' "
+                              "then resumes from the newest usable checkpoint)") from None
     except OSError as exc:
         raise CheckpointError(f"cannot read {str(file)!r}: {type(exc).__name__}: {exc}") from exc
     try:
@@ -96,6 +116,14 @@ def read_latest(root) -> str | None:
             f"{str(root)!r} (an absolute path, '..' or a path with separators): refusing to "
             "follow it out of the checkpoint root. Write the name of one of its checkpoints "
             "into it, or delete it"
+        )
+    if not NAME_PATTERN.match(name):
+        kind = ("a temporary folder (a save in progress, or killed)" if name.startswith(TMP_PREFIX)
+                else "a folder being deleted" if name.startswith(TRASH_PREFIX)
+                else "not a checkpoint's name (step-<N>[-epoch-end][.<generation>])")
+        raise NotACheckpointName(
+            f"{str(file)!r} names {name[:200]!r}, {kind}: it never names anything but a "
+            "complete checkpoint, so it is not followed"
         )
     return name
 
@@ -141,37 +169,73 @@ def is_run_dir(base, path) -> bool:
     return (same_base and bool(_RUN.match(path.name))) or is_base
 
 
-def newest_run(base) -> Path | None:
-    """The run folder ``resume_from="latest"`` continues: the highest
-    ``version_<N>`` holding a checkpoint, else ``base`` itself if it holds
-    checkpoints directly (0.1's layout), else None."""
-    for folder in reversed(run_folders(base)):
-        if read_latest(folder) is not None or list_checkpoints(folder):
-            return folder
-    base = Path(base)
-    if base.is_dir() and ((base / LATEST).exists() or list_checkpoints(base)):
-        return base
-    return None
-
-
 def next_run_name(base) -> str:
-    """``version_<N>``: one more than the highest existing (0 for the first)."""
+    """``version_<N>``: one more than the highest existing (0 for the first).
+    Only a name: :func:`claim_run_folder` creates the folder atomically."""
     folders = run_folders(base)
     n = int(_RUN.match(folders[-1].name).group(1)) + 1 if folders else 0
     return f"version_{n}"
 
 
+def claim_run_folder(base, attempts: int = 1000) -> Path:
+    """Create the next run folder ``base/version_<N>`` and return it: ``mkdir``
+    without ``exist_ok``, so that two processes starting at the same moment
+    never get the same folder (the one that finds it made takes the next N).
+    :class:`CheckpointError` if ``base`` cannot be written."""
+    base = Path(base)
+    tried = -1
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        for _ in range(attempts):
+            # past the last name tried, if that one was taken (by a folder, or a file)
+            tried = max(int(_RUN.match(next_run_name(base)).group(1)), tried + 1)
+            folder = base / f"version_{tried}"
+            try:
+                os.mkdir(folder)
+            except FileExistsError:
+                continue
+            return folder
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot create a run folder in {str(base)!r}: {type(exc).__name__}: {exc}. Pass "
+            "Checkpoint(dir=...) a directory this process can write."
+        ) from exc
+    raise CheckpointError(f"cannot create a run folder in {str(base)!r}: other processes took "
+                          f"{attempts} names in a row")
+
+
 # -- the root on disk ----------------------------------------------------------------
+
+
+#: the temporary directories of this process's saves in progress (real paths):
+#: never removed by :func:`clean`
+_live_saves: set[str] = set()
+
+
+@contextlib.contextmanager
+def live_save(tmp: Path):
+    """Mark ``tmp`` as a save in progress of this process for the block."""
+    key = os.path.realpath(tmp)
+    _live_saves.add(key)
+    try:
+        yield
+    finally:
+        _live_saves.discard(key)
 
 
 def clean(root) -> None:
     """Remove what killed saves and rotations left behind (``.tmp-*``,
-    ``.trash-*``). Main process only."""
+    ``.trash-*``, a half-written ``latest``), except this process's saves in
+    progress. Main process only, holding the root's run lock
+    (:mod:`.lock`; the ``Checkpoint`` plugin takes it first): then no other
+    live run writes here, and every other temporary is a dead run's."""
     root = Path(root)
     if not root.is_dir():
         return
     for path in root.iterdir():
         if not path.name.startswith((TMP_PREFIX, TRASH_PREFIX, LATEST + ".tmp")):
+            continue
+        if os.path.realpath(path) in _live_saves:
             continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)

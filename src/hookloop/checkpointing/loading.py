@@ -18,7 +18,8 @@ from .codec import stateful_plugins
 from .collective import every_rank
 from .compat import check_compatible
 from .errors import CheckpointError, first_line
-from .layout import LATEST, STATE_FILE, list_checkpoints, read_latest
+from .layout import LATEST, STATE_FILE, NotACheckpointName, list_checkpoints, read_latest
+from .lock import refuse_live_run
 from .manifest import read_manifest
 from .policy import checkpoint_plugins
 from .runs import adopt_run
@@ -61,6 +62,7 @@ def find(resume_from, root) -> tuple[Path | None, Staged | None]:
 
 def _find(resume_from, root, stacklevel: int = 4):
     # (warnings name the caller of the caller of resolve() or find())
+    refuse_live_run(resume_from, root)  # a live run's root: refused before anything is read
     lenient = resume_from == "latest"
     if lenient:
         root = Path(root)
@@ -73,7 +75,12 @@ def _find(resume_from, root, stacklevel: int = 4):
         if not looks_like_root:
             return path, None
         root = path
-    name = read_latest(root)
+    try:
+        name = read_latest(root)
+    except NotACheckpointName as exc:  # a .tmp- or .trash- folder ...: the newest usable instead
+        name = None
+        warnings.warn(f"hookloop: {exc}; resuming from the newest usable checkpoint instead",
+                      RuntimeWarning, stacklevel=stacklevel)
     candidates = list_checkpoints(root)
     order = [root / name] if name is not None else []
     order += [c for c in reversed(candidates) if c.name != name]
@@ -154,12 +161,6 @@ def load(loop, path, *, strict: bool = True, trust_pickles=None, staged: Staged 
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointError(f"{where}: the run state in {STATE_FILE} is not valid: "
                               f"{type(exc).__name__}: {exc}") from exc
-    if doc["loop"].get("step_in_epoch") and getattr(loop.train_data, "use_stateful_dataloader", False):
-        raise CheckpointError(
-            f"{where} stops in the middle of an epoch, and train_data is a stateful data loader "
-            "(use_stateful_dataloader=True), which hookloop does not resume mid-epoch: use a "
-            "plain DataLoader (hookloop redraws its order and skips the seen batches)"
-        )
     if trust_pickles is None:
         trust_pickles = {name for plugin in checkpoint_plugins(loop)
                          for name in getattr(plugin, "trust_pickles", ())}

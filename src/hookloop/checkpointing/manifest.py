@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from . import accelerate as accel
+from . import safe_read
 from .errors import CheckpointError
 from .layout import FORMAT, STATE_FILE, TMP_PREFIX, VERSION
 
@@ -18,12 +19,44 @@ SELF_CRC = "manifest_crc32"
 
 
 def peek(path: Path) -> dict | None:
-    """``hookloop.json`` as JSON, unchecked; None if unreadable."""
+    """``hookloop.json`` as JSON, unchecked; None if unreadable (or refused:
+    :func:`peek_checked`)."""
     try:
-        doc = json.loads((Path(path) / STATE_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
+        return peek_checked(path)
+    except CheckpointError:
         return None
-    return doc if isinstance(doc, dict) else None
+
+
+def peek_checked(path: Path) -> dict:
+    """``hookloop.json`` of ``path`` as a JSON object, its content unchecked,
+    read as every manifest is (:func:`_load_json`), or a
+    :class:`CheckpointError` naming the file or the folder."""
+    path = Path(path)
+    safe_read.check_folder(path)
+    try:
+        doc = _load_json(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{str(path)!r} has no {STATE_FILE}") from None
+    except NotADirectoryError:
+        raise CheckpointError(f"{str(path)!r} is not a directory") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"checkpoint {str(path)!r}: {STATE_FILE} is not a JSON object")
+    return doc
+
+
+def _load_json(path: Path):
+    """``path / hookloop.json`` read (a regular file inside ``path``, at most
+    :data:`~.safe_read.MANIFEST_LIMIT` bytes) and parsed (at most
+    :data:`~.safe_read.MAX_JSON_DEPTH` deep); :class:`CheckpointError`
+    naming the file, or FileNotFoundError."""
+    file = path / STATE_FILE
+    data = safe_read.read_checked(file, path, limit=safe_read.MANIFEST_LIMIT,
+                                  what=f"a checkpoint's {STATE_FILE}",
+                                  why="the most hookloop reads of a manifest")
+    try:
+        return safe_read.loads_json(data, file)
+    except safe_read.RefusedFile as exc:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {STATE_FILE} {exc.problem}") from None
 
 
 def read_manifest(path) -> dict:
@@ -32,12 +65,13 @@ def read_manifest(path) -> dict:
     :class:`CheckpointError` for a missing, foreign, truncated or unfinished
     directory."""
     path = Path(path)
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    safe_read.check_folder(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {str(path)!r} is a file, not a checkpoint directory")
     state_file = path / STATE_FILE
-    if not state_file.is_file():
+    if not os.path.lexists(state_file):  # (a FIFO or a link out is refused below, by name)
         if path.name.startswith(TMP_PREFIX):
             why = "it is a save that never finished (a temporary directory)"
         elif accel.written_by_save_state(path):
@@ -51,12 +85,9 @@ def read_manifest(path) -> dict:
             f"{str(path)!r} is not a hookloop checkpoint: it has no {STATE_FILE} ({why})"
         )
     try:
-        doc = json.loads(state_file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(
-            f"checkpoint {str(path)!r}: {STATE_FILE} is not valid JSON ({exc}): "
-            "the checkpoint is truncated or corrupt"
-        ) from exc
+        doc = _load_json(path)
+    except FileNotFoundError:  # removed since
+        raise CheckpointError(f"checkpoint {str(path)!r}: {STATE_FILE} is missing") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CheckpointError(
             f"{str(path)!r} is not a hookloop checkpoint: {STATE_FILE} has no "
@@ -80,19 +111,49 @@ def read_manifest(path) -> dict:
             f"checkpoint {str(path)!r}: {STATE_FILE} does not match its own checksum "
             f"({SELF_CRC}): it changed after it was written (bit rot, or an edit)"
         )
+    check_entries(path, doc)
     for rel, size in doc["files"].items():
         file = path / rel
-        if not file.is_file():
+        try:
+            actual = safe_read.file_size(file, path, f"{rel} of a checkpoint")
+        except FileNotFoundError:
+            actual = None
+        except safe_read.RefusedFile as exc:
+            raise CheckpointError(f"checkpoint {str(path)!r}: {rel} {exc.problem}") from None
+        if actual is None:
             raise CheckpointError(
                 f"checkpoint {str(path)!r}: {rel} is missing: the checkpoint is incomplete"
             )
-        actual = file.stat().st_size
         if actual != size:
             raise CheckpointError(
                 f"checkpoint {str(path)!r}: {rel} is {actual} bytes but {size} were "
                 "written: the checkpoint is truncated or corrupt"
             )
     return doc
+
+
+def check_entries(path: Path, doc: dict) -> None:
+    """The manifest's ``files`` (name: size) and ``crc32`` (name: CRC-32) name
+    files inside the checkpoint (relative POSIX paths: no absolute path, no
+    ``..``, ``.`` or empty part, no backslash), with whole numbers; else a
+    :class:`CheckpointError` naming the entry."""
+    where = f"checkpoint {str(path)!r}: {STATE_FILE}"
+    for key in ("files", "crc32"):
+        entries = doc.get(key)
+        if entries is None and key == "crc32":
+            continue
+        if not isinstance(entries, dict):
+            raise CheckpointError(f"{where}: {key!r} is not a JSON object: the checkpoint is corrupt")
+        for rel, value in entries.items():
+            problem = safe_read.relative_entry(rel)
+            if problem is not None:
+                raise CheckpointError(
+                    f"{where} lists {rel[:200]!r} in {key!r}, which is not a file of the "
+                    f"checkpoint ({problem}): refusing to read it"
+                )
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CheckpointError(f"{where}: {key!r} gives {rel!r} {str(value)[:50]!r}, not a "
+                                      "whole number: the checkpoint is corrupt")
 
 
 def manifest_crc(doc: dict) -> int:
@@ -115,28 +176,40 @@ def crc32_file(path: Path) -> int:
             return zlib.crc32(mapped)
 
 
-def verified(path: Path, rel: str, doc: dict, where: str, what: str) -> Path:
-    """``path / rel`` once its size and CRC-32 match the manifest ``doc``, or
-    a :class:`CheckpointError` naming ``what`` it holds."""
+def verified(path: Path, rel: str, doc: dict, where: str, what: str) -> safe_read.Opened:
+    """``path / rel`` opened (:func:`~.safe_read.open_checked`: a regular
+    file inside the checkpoint, at most the size the manifest records) once
+    its size and CRC-32 match the manifest ``doc``, or a
+    :class:`CheckpointError` naming ``what`` it holds. Use it in a ``with``
+    block; read it through its ``source()`` or ``read()``."""
     problem = None
     size = doc["files"].get(rel)
-    file = path / rel
     if size is None:
         problem = "the manifest does not list it"
+    elif (why := safe_read.relative_entry(rel)) is not None:
+        problem = f"it is not a file of the checkpoint ({why})"
     else:
+        opened = None
         try:
-            actual = file.stat().st_size
+            opened = safe_read.open_checked(path / rel, path, limit=size, what=what,
+                                            why="the size the manifest records")
             crc = (doc.get("crc32") or {}).get(rel)
-            if actual != size:
-                problem = f"it is {actual} bytes but {size} were written: truncated or corrupt"
+            if opened.size != size:
+                problem = f"it is {opened.size} bytes but {size} were written: truncated or corrupt"
             elif crc is None and doc["version"] >= 2:
                 problem = "the manifest has no checksum for it"
-            elif crc is not None and (now := crc32_file(file)) != crc:
+            elif crc is not None and (now := opened.crc32()) != crc:
                 problem = (f"it does not match its checksum (CRC-32 {now:08x}, {crc:08x} when "
                            "written): the file changed after it was saved (bit rot, a bad copy, "
                            "or an edit)")
             else:
-                return file
+                result, opened = opened, None
+                return result
+        except safe_read.RefusedFile as exc:
+            problem = exc.problem
         except OSError as exc:
             problem = f"{type(exc).__name__}: {exc}"
+        finally:
+            if opened is not None:
+                opened.close()
     raise CheckpointError(f"{where}: cannot read {what} from {rel}: {problem}")

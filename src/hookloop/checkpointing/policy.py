@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .layout import default_directory, newest_run
+from .layout import default_directory
+from .runs import newest_run
 
 
 class CheckpointPolicy:

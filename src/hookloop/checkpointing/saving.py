@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -64,7 +65,7 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
         position.update(epoch=position["epoch"] + 1, step_in_epoch=0)
     name = name or layout.checkpoint_name(position["global_step"], epoch_end)
     final = root / name
-    tmp = root / f"{TMP_PREFIX}{name}"
+    tmp = root / f"{TMP_PREFIX}{name}-{tmp_tag(loop)}"  # every rank writes into the main's
     networks = accel.describe_networks(loop)
     states = {n: p.state_dict() for n, p in codec.stateful_plugins(loop)}  # every rank: may be collective
     main = acc.is_main_process
@@ -92,28 +93,53 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
 
-    try:
-        with every_rank(acc, catch=Exception,
-                        describe=failed(f"process {acc.process_index} could not write into {tmp}")):
-            with accel.manual_naming(acc):
-                acc.save_state(str(tmp))
-            codec.write_rank_file(tmp / RANK_FILE.format(rank=acc.process_index), loop)
+    with layout.live_save(tmp):  # (layout.clean leaves it alone)
+        try:
+            with every_rank(acc, catch=Exception,
+                            describe=failed(f"process {acc.process_index} could not write into {tmp}")):
+                with accel.manual_naming(acc):
+                    acc.save_state(str(tmp))
+                codec.write_rank_file(tmp / RANK_FILE.format(rank=acc.process_index), loop)
 
-        with every_rank(acc, catch=Exception, describe=failed(f"cannot finish checkpoint {final}")):
-            if main:
-                final, replaced = _finish(loop, tmp, final, position, networks, plugins, tensors,
-                                          reason, monitor, update_latest)
-                if update_latest:
-                    layout.write_latest(root, final.name)
-                if replaced is not None:  # an older save of this position, now that latest moved on
-                    _remove(replaced)
-                if keep_last:
-                    rotate(loop, root, keep_last, keep)
-    except CheckpointError:
-        if main:  # a failed save leaves nothing behind; the previous checkpoint stays latest
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            with every_rank(acc, catch=Exception, describe=failed(f"cannot finish checkpoint {final}")):
+                if main:
+                    final, replaced = _finish(loop, tmp, final, position, networks, plugins, tensors,
+                                              reason, monitor, update_latest)
+                    if update_latest:
+                        layout.write_latest(root, final.name)
+                    if replaced is not None:  # an older save of this position, now that latest moved on
+                        _remove(replaced)
+                    if keep_last:
+                        rotate(loop, root, keep_last, keep)
+        except CheckpointError:
+            if main:  # a failed save leaves nothing behind; the previous checkpoint stays latest
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return final
+
+
+#: loop -> (its run id on this process, the agreed tag of its temporary folders)
+_TAGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def tmp_tag(loop) -> str:
+    """``<run id prefix>-<pid>`` of the main process: what makes the names of a
+    run's temporary save folders (``.tmp-<name>-<tag>``) its own, so that two
+    runs (or two processes) saving into one root never share one. The same on
+    every rank (each rank writes its files into the main process's folder,
+    and a fresh run's id is drawn per process): agreed once per loop and run
+    id, with one broadcast when there are several processes."""
+    run_id = run_identity(loop).id
+    cached = _TAGS.get(loop)
+    if cached is not None and cached[0] == run_id:
+        return cached[1]
+    tag = f"{run_id[:8]}-{os.getpid()}"
+    if loop.accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        tag = broadcast_object_list([tag])[0]  # the main process's
+    _TAGS[loop] = (run_id, tag)
+    return tag
 
 
 def _finish(loop, tmp: Path, final: Path, position, networks, plugins, tensors, reason,

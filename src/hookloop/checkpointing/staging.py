@@ -13,7 +13,7 @@ from . import accelerate as accel
 from .codec import check_rng, from_data, parse_rank_file
 from .errors import CheckpointError, first_line
 from .finite import check_staged_finite
-from .layout import RANK_FILE, TENSORS_FILE
+from .layout import RANK_FILE, STATE_FILE, TENSORS_FILE
 from .manifest import read_manifest, verified
 
 
@@ -53,6 +53,18 @@ def stage(path, doc: dict | None = None, process_index: int | None = None) -> St
     if trusted by name, to unpickle)."""
     path = Path(path)
     doc = read_manifest(path) if doc is None else doc
+    try:
+        return _stage(path, doc, process_index)
+    except CheckpointError:
+        raise
+    except (TypeError, KeyError, AttributeError, IndexError, RecursionError) as exc:
+        # a manifest of the right format and checksum whose content is not what
+        # hookloop writes (a hostile or hand-made one): not a crash of the loop
+        raise CheckpointError(f"checkpoint {str(path)!r}: its {STATE_FILE} is not hookloop's "
+                              f"({type(exc).__name__}: {first_line(exc)})") from None
+
+
+def _stage(path: Path, doc: dict, process_index: int | None) -> Staged:
     rank = accel.process_index() if process_index is None else process_index
     where = f"checkpoint {str(path)!r}"
     counts = doc["accelerate"]
@@ -62,8 +74,16 @@ def stage(path, doc: dict | None = None, process_index: int | None = None) -> St
             if entry.get(part):
                 owner[entry[part]] = f"the {'weights' if part == 'model' else part + ' state'} of network {name!r}"
 
-    def read(rel, what):  # the file, once its size and checksum are verified
-        return verified(path, rel, doc, where, what)
+    # every file through one checked descriptor (a regular file inside the
+    # checkpoint, at most the size the manifest records), once its size and
+    # checksum are verified; the loaders read that very file
+    def load(loader, rel, what):
+        with verified(path, rel, doc, where, what) as opened:
+            return loader(opened.source(), rel, where, what)
+
+    def read(rel, what):
+        with verified(path, rel, doc, where, what) as opened:
+            return opened.read()
 
     models = []
     for i in range(counts["models"]):
@@ -71,14 +91,14 @@ def stage(path, doc: dict | None = None, process_index: int | None = None) -> St
         what = owner.get(rel, f"the weights of accelerator model #{i}")
         if rel not in doc["files"] and accel.legacy_model_file(i) in doc["files"]:
             rel = accel.legacy_model_file(i)
-            models.append(accel.torch_load(read(rel, what), rel, where, what))
+            models.append(load(accel.torch_load, rel, what))
         else:
-            models.append(accel.safetensors_load(read(rel, what), rel, where, what))
+            models.append(load(accel.safetensors_load, rel, what))
     optimizers = []
     for i in range(counts["optimizers"]):
         rel = accel.optimizer_file(i)
         what = owner.get(rel, f"the state of accelerator optimizer #{i}")
-        state = accel.torch_load(read(rel, what), rel, where, what)
+        state = load(accel.torch_load, rel, what)
         if not (isinstance(state, dict) and isinstance(state.get("state"), dict)
                 and isinstance(state.get("param_groups"), list)):
             raise CheckpointError(f"{where}: cannot read {what} from {rel}: it is not an optimizer "
@@ -88,11 +108,11 @@ def stage(path, doc: dict | None = None, process_index: int | None = None) -> St
     for i in range(counts["schedulers"]):
         rel = accel.scheduler_file(i)
         what = owner.get(rel, f"the state of accelerator scheduler #{i}")
-        schedulers.append(accel.torch_load(read(rel, what), rel, where, what))
+        schedulers.append(load(accel.torch_load, rel, what))
 
     rel = accel.rng_file(rank)
     what = f"the random states of process {rank}"
-    rng = accel.torch_load(read(rel, what), rel, where, what)
+    rng = load(accel.torch_load, rel, what)
     try:
         check_rng(rng["random_state"], rng["numpy_random_seed"], rng["torch_manual_seed"])
     except Exception as exc:  # noqa: BLE001 - any invalid content
@@ -101,14 +121,14 @@ def stage(path, doc: dict | None = None, process_index: int | None = None) -> St
     scaler = None
     if accel.SCALER_FILE in doc["files"]:
         what = "the gradient scaler state"
-        scaler = accel.torch_load(read(accel.SCALER_FILE, what), accel.SCALER_FILE, where, what)
-    extra = {rel: read(rel, "a data loader state").read_bytes() for rel in doc["files"]
+        scaler = load(accel.torch_load, accel.SCALER_FILE, what)
+    extra = {rel: read(rel, "a data loader state") for rel in doc["files"]
              if accel.LOADER_FILE.match(rel)}
     custom = {}
     for i in range(counts.get("custom_objects", 0)):
         rel = accel.custom_file(i)
         what = f"the state of object #{i} registered with accelerator.register_for_checkpointing"
-        data = read(rel, what).read_bytes()
+        data = read(rel, what)
         try:
             custom[rel] = ("data", accel.torch_load(data, rel, where, what))
         except CheckpointError:
@@ -116,7 +136,7 @@ def stage(path, doc: dict | None = None, process_index: int | None = None) -> St
 
     rel = RANK_FILE.format(rank=rank)
     what = f"the data position of process {rank}"
-    data = read(rel, what).read_bytes()
+    data = read(rel, what)
     try:
         epoch_start, generators, logged = parse_rank_file(data)
     except Exception as exc:  # noqa: BLE001 - garbled in any way
@@ -124,8 +144,7 @@ def stage(path, doc: dict | None = None, process_index: int | None = None) -> St
                               f"{first_line(exc)}") from exc
     tensors = {}
     if TENSORS_FILE in doc["files"]:
-        tensors = accel.safetensors_load(read(TENSORS_FILE, "the plugin states"), TENSORS_FILE,
-                                         where, "the plugin states")
+        tensors = load(accel.safetensors_load, TENSORS_FILE, "the plugin states")
     plugin_states = {}
     for name, state in doc["plugins"].items():
         try:

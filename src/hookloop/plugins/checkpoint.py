@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 
 from .. import checkpointing
+from ..checkpointing import layout, lock
 from ..checkpointing.collective import every_rank
 from ..checkpointing.layout import NAME_PATTERN, sort_key
 from ..checkpointing.policy import CheckpointPolicy
@@ -20,6 +21,8 @@ from ..preemption import DEFAULT_SIGNALS, Preempted, SignalWatcher, signal_name
 
 
 _DEFAULT = object()  # keep_last not given: 3, or 1 with monitor
+#: written into the checkpoint root when a signal ends the process (status 75)
+PREEMPTED_MARKER = "PREEMPTED"
 
 
 class Checkpoint(CheckpointPolicy):
@@ -87,6 +90,13 @@ class Checkpoint(CheckpointPolicy):
     rotated away). A save of non-finite weights is refused
     (:class:`~hookloop.checkpointing.NonFiniteCheckpoint`).
 
+    While a fit runs, its main process holds the directory
+    (``<dir>/hookloop.lock``, :mod:`hookloop.checkpointing.lock`): taken in
+    ``on_fit_start``, its heartbeat refreshed at safe points (at most every
+    30 s), released in ``on_fit_end`` / ``on_exception`` and at exit. Another
+    process's ``resume_from`` of it, or a fit into it, is refused while that
+    process lives; a lock whose process is gone is taken over, with a warning.
+
     Saving costs ~50 ms for a tiny MLP, ~0.35 s for a 10.5M-parameter MLP
     with Adam (126 MB), most of it fsync.
     """
@@ -142,6 +152,7 @@ class Checkpoint(CheckpointPolicy):
         self._pending = None  # a signal that came during the fit's end
         self._saved_position = None
         self._ready = False  # on_fit_start checked the directory
+        self._lock = None  # the run lock of the directory while a fit runs (main process)
 
     def directory(self, loop) -> Path:
         """The checkpoint root for ``loop``: ``dir``, else this run's folder;
@@ -165,20 +176,42 @@ class Checkpoint(CheckpointPolicy):
 
     def _choose_run_dir(self, loop):
         """Default directory: the resumed checkpoint's run folder, else a new
-        ``version_<N>`` (decided by the main process for every process)."""
+        ``version_<N>``, created by the main process for every process (with
+        ``mkdir``: two runs starting together get two folders)."""
         base = checkpointing.default_directory(loop.accelerator)
         resumed = loop.resumed_from
         if resumed is not None and checkpointing.is_run_dir(base, resumed.parent):
             self._run_dir = resumed.parent
             return
-        name = checkpointing.next_run_name(base) if loop.accelerator.is_main_process else None
+        name = error = None
+        if loop.accelerator.is_main_process:
+            try:
+                name = layout.claim_run_folder(base).name
+            except checkpointing.CheckpointError as exc:
+                error = str(exc)
         if loop.accelerator.num_processes > 1:
             from accelerate.utils import broadcast_object_list
 
-            name = broadcast_object_list([name])[0]
+            name, error = broadcast_object_list([name, error])
+        if error is not None:
+            raise checkpointing.CheckpointError(error)
         self._run_dir = base / name
 
     # -- hooks -----------------------------------------------------------------
+
+    @hookimpl
+    def on_loop_start(self, loop):
+        # from Loop(...) on, a signal ends the process with status 75: outside a
+        # fit at once (the run's state is its last checkpoint), inside one at
+        # the next safe point, after saving
+        if self.watcher is not None and self.watcher.install():
+            self.watcher.immediate = self._outside_fit(loop)
+
+    @hookimpl
+    def on_loop_end(self):
+        self._uninstall()
+        if self.watcher is not None:
+            self.watcher.immediate = None
 
     @hookimpl
     def on_fit_start(self, loop):
@@ -188,7 +221,10 @@ class Checkpoint(CheckpointPolicy):
         with every_rank(loop.accelerator):  # every rank fails, none waits
             if loop.accelerator.is_main_process:
                 checkpointing.check_writable(root)
-                checkpointing.clean(root)
+                # this run holds the root while it trains (a live one's is refused)
+                self._lock = lock.acquire(root, checkpointing.run_identity(loop).id, owner=self)
+                checkpointing.clean(root)  # with the lock: every other temporary is a dead run's
+                (root / PREEMPTED_MARKER).unlink(missing_ok=True)  # resumed: that preemption is over
                 _check_foreign(loop, root)
                 _warn_newer(loop, root)
                 if loop.resumed_from is not None and self.keep_last:
@@ -201,6 +237,7 @@ class Checkpoint(CheckpointPolicy):
             self._saved_position = loop.state.state_dict()  # where the resumed checkpoint is
         if self.watcher is not None:
             self.watcher.install()
+            self.watcher.start_fit()  # during the fit: at the next safe point, after saving
         self._epoch_ending = False
         self._update_best(loop)
         self._ready = True
@@ -237,6 +274,8 @@ class Checkpoint(CheckpointPolicy):
 
     @hookimpl(trylast=True)  # after the other plugins' work at the safe point, which it saves
     def on_safe_point(self, loop, epoch_end, fit_end):
+        if self._lock is not None:
+            self._lock.refresh()  # the heartbeat: at most every 30 s, else one clock read
         acc = loop.accelerator
         state = loop.state
         if self.watcher is not None and self._stop is None:
@@ -274,7 +313,7 @@ class Checkpoint(CheckpointPolicy):
             # every rank takes the same decision (one all-reduce with several processes)
             self._pending = self.watcher.agreed(loop.accelerator) if self.watcher is not None else None
         finally:
-            self._uninstall()
+            self._after_fit(loop)
             self._fit_ended = True
         # A signal that came during the fit's last safe point (its final save):
         # that save is the stop's checkpoint. End as a preemption does (status
@@ -294,7 +333,7 @@ class Checkpoint(CheckpointPolicy):
                 self._emergency(loop, exception)
             return (yield)
         finally:
-            self._uninstall()
+            self._after_fit(loop)  # after the emergency checkpoint; Preempted comes here too
 
     # -- work --------------------------------------------------------------------
 
@@ -370,6 +409,7 @@ class Checkpoint(CheckpointPolicy):
 
     def _raise_preempted(self, loop, path):
         step = loop.state.global_step
+        self._mark_preempted(loop, self._stop, path)
         loop.print(
             f"hookloop: {signal_name(self._stop)} received: saved {path} after step {step}; "
             f"exiting with status {Preempted(self._stop, step).code}",
@@ -396,10 +436,57 @@ class Checkpoint(CheckpointPolicy):
         loop.print(f"hookloop: {type(exception).__name__} during training: emergency checkpoint "
                    f"{path} (may be mid-step: resume from it explicitly)", file=sys.stderr)
 
+    def _after_fit(self, loop):
+        """A fit ended, by any path: the lock goes; a signal from now on ends
+        the process at once (status 75), until the loop is closed."""
+        self._ready = False
+        self._release()
+        if self.watcher is not None and self.watcher.installed:
+            self.watcher.immediate = self._outside_fit(loop)
+
+    def _outside_fit(self, loop):
+        """What a signal does outside a fit: nothing new to save (the run's
+        state is its last checkpoint), ``Preempted`` at once, status 75."""
+
+        def preempted(signum):
+            self._stop = signum
+            step = loop.state.global_step
+            path = self.last_saved
+            saved = f"its last checkpoint is {path}" if path is not None else "nothing was saved"
+            loop.print(f"hookloop: {signal_name(signum)} received outside fit (nothing new to save; "
+                       f"{saved}); exiting with status {Preempted(signum, step).code}", file=sys.stderr)
+            self._mark_preempted(loop, signum, path)
+            raise Preempted(signum, step, path)
+
+        return preempted
+
+    def _mark_preempted(self, loop, signum, path):
+        """``<root>/PREEMPTED``: what a requeue wrapper under a launcher (which
+        reports its own status, 1) looks for; removed when a fit starts there."""
+        if not loop.accelerator.is_main_process:
+            return
+        import json
+        import time
+
+        try:
+            root = self.directory(loop)
+            if root.is_dir():
+                (root / PREEMPTED_MARKER).write_text(json.dumps({
+                    "signal": signal_name(signum), "global_step": loop.state.global_step,
+                    "checkpoint": str(path) if path is not None else None,
+                    "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+        except OSError:
+            pass  # a marker is a courtesy: the exit status still says 75
+
     def _uninstall(self):
         self._ready = False
         if self.watcher is not None:
             self.watcher.uninstall()
+
+    def _release(self):
+        held, self._lock = self._lock, None
+        if held is not None:
+            held.release(owner=self)
 
 
 def _check_foreign(loop, root):
