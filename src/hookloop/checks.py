@@ -3,7 +3,9 @@ it says so: each message names the argument, hook or plugin at fault."""
 
 from __future__ import annotations
 
+import os
 import warnings
+import weakref
 
 from .strategies.base import StepOutput
 
@@ -93,3 +95,87 @@ def accumulation_changed_in_group(before: int, new: int, in_group: int, update: 
         f"{update}): change it only at an update boundary, e.g. in "
         "on_epoch_start, or in after_step when loop.accelerator.sync_gradients is true"
     )
+
+
+#: accelerators :func:`launch` has warned about (each warning once per accelerator)
+_WARNED: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _env_flag(name: str) -> bool:
+    """As Accelerate reads ``ACCELERATE_USE_FSDP`` / ``ACCELERATE_USE_DEEPSPEED``."""
+    return os.environ.get(name, "false").lower() == "true"
+
+
+def launch(accelerator) -> None:
+    """Launch mistakes, at ``Loop(...)`` before anything is prepared.
+
+    Refused (``RuntimeError``): the launcher started several processes
+    (``WORLD_SIZE`` or ``LOCAL_WORLD_SIZE`` > 1, as ``torchrun`` and
+    ``accelerate launch`` set them) but the Accelerator has one: each
+    process would train alone, on all the data, into the same checkpoints.
+
+    Warned about (``RuntimeWarning``, once per accelerator, on the main
+    process): FSDP or DeepSpeed asked for (a plugin given to
+    ``Accelerator(...)``, which sets ``ACCELERATE_USE_FSDP`` /
+    ``ACCELERATE_USE_DEEPSPEED``, or ``accelerate launch --use_fsdp`` /
+    ``--use_deepspeed``) but not taken (Accelerate keeps the distributed
+    type it had, e.g. ``MULTI_CPU`` DDP on a CPU); ``mixed_precision="fp16"``
+    on a CPU, which trains in fp32."""
+    launched = {}
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        try:
+            launched[name] = int(os.environ.get(name, "1"))
+        except ValueError:
+            continue
+    if accelerator.num_processes == 1 and max(launched.values(), default=1) > 1:
+        said = ", ".join(f"{k}={v}" for k, v in launched.items() if v > 1)
+        raise RuntimeError(
+            f"the launcher started several processes ({said}) but this Accelerator has one "
+            f"(distributed type {_name(accelerator.distributed_type)}, device "
+            f"{accelerator.device}): Accelerate did not set up distributed training, so each "
+            "process would train alone, on all the data, into the same checkpoint folder. On a "
+            "machine without GPUs, pass Accelerator(cpu=True) or set ACCELERATE_USE_CPU=1 (an "
+            "accelerate launch --multi_gpu without it gives every process rank 0); otherwise "
+            "check that every process sees its GPU (CUDA_VISIBLE_DEVICES, "
+            "torch.cuda.device_count())"
+        )
+    if accelerator in _WARNED:
+        return
+    _WARNED.add(accelerator)
+    if not accelerator.is_main_process:
+        return
+    kind = _name(accelerator.distributed_type)
+    for flag, wanted, what in (("ACCELERATE_USE_FSDP", "FSDP", "FSDP (fsdp_plugin=, --use_fsdp)"),
+                               ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED",
+                                "DeepSpeed (deepspeed_plugin=, --use_deepspeed)")):
+        if _env_flag(flag) and kind != wanted:
+            warnings.warn(
+                f"hookloop: {what} was asked for ({flag}=true) but Accelerate did not take it: "
+                f"it runs {_runs(kind)}, {accelerator.num_processes} process(es) on "
+                f"{accelerator.device.type}. "
+                + ("Accelerate uses it only with several GPU processes (accelerate launch "
+                   "--multi_gpu or a config); on a CPU it is never used"
+                   if wanted == "FSDP" else
+                   "Accelerate uses it only on GPUs (not with cpu=True) and with deepspeed installed"),
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        warnings.warn(
+            "hookloop: mixed_precision='fp16' on a CPU trains in fp32: Accelerate has no fp16 "
+            "autocast on a CPU. Use mixed_precision='bf16', which works on a CPU, or 'no'",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _name(distributed_type) -> str:
+    return getattr(distributed_type, "value", str(distributed_type))
+
+
+def _runs(kind: str) -> str:
+    if kind.startswith("MULTI"):
+        return f"plain DDP ({kind}: every process holds the whole model and optimizer state)"
+    if kind == "NO":
+        return "without any distributed training (NO)"
+    return kind

@@ -92,6 +92,7 @@ class Loop:
         if accelerator is not None:
             checks.accelerator_state(accelerator)
         self.accelerator = accelerator if accelerator is not None else Accelerator()
+        checks.launch(self.accelerator)  # launch mistakes, before anything is prepared
         self.train_data = train_data
         self.eval_data = eval_data
         #: the run state: position, run identity, what a restart needs
@@ -120,7 +121,11 @@ class Loop:
         self.resumed_from = None
         _open_loops.add(self)
         if resume_from is not None:
-            self.load_checkpoint(resume_from)
+            try:
+                self.load_checkpoint(resume_from)
+            except BaseException:  # not half-built on the accelerator: a second Loop may follow
+                self.close()
+                raise
 
     # -- what plugins use -------------------------------------------------
 
@@ -130,8 +135,12 @@ class Loop:
         return self.plugins.hook
 
     def print(self, *args, **kwargs):
-        """``print`` on the main process only."""
-        self.accelerator.print(*args, **kwargs)
+        """``print`` once per job: on the main process of the whole job
+        (``accelerator.is_main_process``, rank 0), not once per machine as
+        ``accelerator.print`` does (local main processes). Other processes
+        print nothing; they need not call it together (no communication)."""
+        if self.accelerator.is_main_process:
+            print(*args, **kwargs)
 
     def stop(self, reason: str | None = None):
         """Ask the loop to end the epoch at the next update boundary (at
@@ -465,17 +474,19 @@ class Loop:
 
     # -- checkpoints ---------------------------------------------------------------
 
-    def load_checkpoint(self, path="latest", *, strict: bool = True, trust_pickles=()):
+    def load_checkpoint(self, path="latest", *, strict: bool = True, trust_pickles=(),
+                        weights_only: bool = False):
         """Restore a checkpoint written by :class:`hookloop.plugins.Checkpoint`:
         every network's model, optimizer and scheduler, every process's
         random states, the run state and each stateful plugin's state; the
         next :meth:`fit` continues exactly where that run was.
 
         Everything is checked before anything changes; a missing, foreign or
-        truncated checkpoint, one from another model shape, another number
-        of processes or another set of stateful plugins raises
-        :class:`hookloop.checkpointing.CheckpointError` naming the culprit
-        (``strict=False``: plugin mismatches only warn, naming the plugins).
+        truncated checkpoint, one from another model shape or another set of
+        stateful plugins raises :class:`hookloop.checkpointing.CheckpointError`
+        naming the culprit and what to change (``strict=False``: plugin and
+        run-setting mismatches only warn). Another number of processes or
+        batch size: ``docs/checkpoints.md``, Another number of processes.
 
         :param path: ``"latest"``: the newest checkpoint in the checkpoint
             plugin's directory (by default the newest run folder,
@@ -487,6 +498,9 @@ class Loop:
             (objects given to ``accelerator.register_for_checkpointing``) that
             may be unpickled; any other pickle is refused (see
             ``docs/checkpoints.md``).
+        :param weights_only: a new run from the checkpoint's weights alone
+            (every network's model; also of Accelerate's plain format), on any
+            number of processes; the loop keeps its position and run id.
         :return: the checkpoint directory, or None (``"latest"``, none saved).
         """
         root = checkpointing.checkpoint_root(self)
@@ -496,6 +510,8 @@ class Loop:
         if found is None:
             self.print(f"hookloop: no checkpoint in {root} yet: starting from scratch")
             return None
+        if weights_only:  # a new run from the weights: the loop's state, run id and plugins stay
+            return checkpointing.load_weights(self, found, staged=staged)
         self._resume = checkpointing.load(self, found, strict=strict, staged=staged,
                                           trust_pickles=list(trust_pickles) or None)
         self.resumed_from = found

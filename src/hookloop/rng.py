@@ -95,7 +95,12 @@ class Resume:
 
     ``epoch_start`` is what the interrupted epoch's iterator started from
     (None: unknown); ``rng`` is the global RNG when the run stopped;
-    ``generators`` the data generators then (from a checkpoint only)."""
+    ``generators`` the data generators then (from a checkpoint only).
+
+    An ``epoch_start`` with a ``"shuffle"`` entry (one continued on another
+    number of processes, or with another loader: :func:`translate_epoch`)
+    draws its permutation from that generator state, whatever generator the
+    loader's sampler has now (:func:`shuffling_from`)."""
 
     epoch_start: dict | None
     rng: dict
@@ -127,9 +132,173 @@ class Resume:
         # redraw the epoch's shuffle: start the iterator from the epoch's RNG
         restore_rng(self.epoch_start["rng"])
         restore_generators(data, self.epoch_start["generators"])
-        batches = first_or_none(batches, none_if_empty)
+        with shuffling_from(data, self.epoch_start.get("shuffle"), batches):
+            batches = first_or_none(batches, none_if_empty)
         restore_rng(self.rng)
         return batches
+
+
+# -- which generator draws an epoch's order: the same order on another loader -------
+
+
+def innermost_sampler(data):
+    """The sampler under a (prepared) loader's batch samplers (Accelerate's
+    ``BatchSamplerShard``, a ``BatchSampler``, a ``SkipBatchSampler``).
+    Never truth-tests a sampler: a stream's has no length."""
+    obj = data
+    for _ in range(8):
+        inner = next((v for v in (getattr(obj, "batch_sampler", None), getattr(obj, "sampler", None))
+                      if v is not None), None)
+        if inner is None:
+            break
+        obj = inner
+    return None if obj is data else obj
+
+
+def _draws_its_own_shuffle(sampler) -> bool:
+    """A sampler that shuffles with ``self.generator`` (``RandomSampler``),
+    and not one that reseeds it every epoch (Accelerate's seedable sampler,
+    whose order is a function of its seed and epoch, on any loader)."""
+    from accelerate.data_loader import SeedableRandomSampler
+
+    return hasattr(sampler, "generator") and not isinstance(sampler, SeedableRandomSampler)
+
+
+def generator_roles(data) -> dict:
+    """Which of ``data``'s generators (:func:`data_generators` paths) draws
+    what, as a checkpoint records it (run settings ``sampler_generator``,
+    ``loader_generator``): ``"sampler"``, the generator the epoch's
+    permutation is drawn with (``"global"``: the sampler has none and draws
+    a seed from the global torch RNG, as ``RandomSampler`` does; None: the
+    sampler does not shuffle with a generator of its own, or reseeds it
+    itself); ``"loader"``, the loader's own generator, from which an
+    iterator draws its base seed when it starts (``"global"``: none)."""
+    if data is None:
+        return {"sampler": None, "loader": None}
+    found = data_generators(data)
+
+    def path_of(gen):
+        return next((p for p, g in found.items() if g is gen), None)
+
+    sampler = innermost_sampler(data)
+    if sampler is None or not _draws_its_own_shuffle(sampler):
+        role = None
+    else:
+        role = "global" if sampler.generator is None else path_of(sampler.generator)
+    own = getattr(data, "generator", None)
+    return {"sampler": role, "loader": "global" if own is None else path_of(own)}
+
+
+def shuffle_state(epoch_start: dict, roles: dict):
+    """The state of the generator an epoch's permutation was drawn with,
+    just before it was drawn, from what the epoch's iterator started from
+    (``epoch_start``) and the roles of the generators of the loader that
+    drew it (:func:`generator_roles`); None if unknown. Mirrors torch's
+    ``DataLoader``: an iterator first draws its base seed (from the
+    loader's generator, else the global RNG), then ``RandomSampler`` draws
+    from its generator, or, without one, seeds a new one from the global
+    RNG."""
+    if epoch_start.get("shuffle") is not None:
+        return epoch_start["shuffle"]
+    sampler, loader = roles.get("sampler"), roles.get("loader")
+    if sampler is None:
+        return None
+    if sampler == "global":
+        with keep_rng():
+            restore_rng(epoch_start["rng"])
+            if loader == "global":
+                torch.empty((), dtype=torch.int64).random_()  # the iterator's base seed
+            seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        return torch.Generator().manual_seed(seed).get_state()
+    state = epoch_start["generators"].get(sampler)
+    if state is None:
+        return None
+    if loader == sampler:  # the base seed came first, from the same generator
+        gen = torch.Generator()
+        gen.set_state(state)
+        torch.empty((), dtype=torch.int64).random_(generator=gen)
+        state = gen.get_state()
+    return state
+
+
+def translate_generators(states: dict, roles: dict, data) -> dict:
+    """Generator states (``{path: state}``) saved from a loader whose
+    generators had ``roles``, under the paths of ``data``'s generators of
+    the same roles (the loader's own, the sampler's): another number of
+    processes names them differently (Accelerate's ``synchronized_generator``
+    is the sampler's). States without a counterpart are dropped."""
+    now = generator_roles(data)
+    out = {}
+    for role in ("loader", "sampler"):
+        saved, here = roles.get(role), now.get(role)
+        if saved not in (None, "global") and here not in (None, "global") and saved in states:
+            out[here] = states[saved]
+    return out
+
+
+def translate_epoch(epoch_start: dict | None, roles: dict, data) -> dict | None:
+    """An epoch start saved from a loader whose generators had ``roles``
+    (another number of processes, another batch size), for ``data``: the
+    epoch's global RNG, the loader's own generator (under its path here),
+    and ``"shuffle"``, the generator state its permutation is drawn with
+    (:func:`shuffle_state`), which :meth:`Resume.batches` gives the sampler
+    for that one draw, so that ``data`` draws the same permutation."""
+    if epoch_start is None:
+        return None
+    out = {"rng": epoch_start["rng"], "generators": {}}
+    loader = translate_generators(epoch_start["generators"], {"loader": roles.get("loader")}, data)
+    sampler_here = generator_roles(data).get("sampler")
+    out["generators"] = {p: s for p, s in loader.items() if p != sampler_here}
+    shuffle = shuffle_state(epoch_start, roles)
+    if shuffle is not None:
+        out["shuffle"] = shuffle
+    return out
+
+
+@contextlib.contextmanager
+def shuffling_from(data, state, iterated=None):
+    """While the body draws the first batch of ``iterated`` (``data``, or a
+    loader made from it that skips the first batches), ``data``'s sampler
+    draws its permutation from a generator in ``state`` (a
+    ``torch.Generator`` state; None: as it is).
+
+    A sampler with a generator of its own gets ``state`` into that one,
+    which goes on from there for the rest of the run (the permutations of
+    later epochs follow, as in the run that saved it); the loader's
+    iterator then draws its base seed (the workers' seeds) from a copy of
+    it, so that the permutation is drawn from ``state`` itself. A sampler
+    without one (one process, the default ``RandomSampler``) is given a
+    generator in ``state`` for this epoch only; later epochs draw their
+    seed from the global RNG, as it does."""
+    sampler = innermost_sampler(data) if state is not None else None
+    if sampler is None or not _draws_its_own_shuffle(sampler):
+        yield
+        return
+    own = sampler.generator
+    if own is None:
+        drawing = torch.Generator()
+        drawing.set_state(state)
+        sampler.generator = drawing  # read once, when the sampler's iterator starts
+        try:
+            yield
+        finally:
+            sampler.generator = None
+        return
+    loaders = {}
+    for loader in (data, iterated):
+        base = getattr(loader, "base_dataloader", loader)  # Accelerate's DataLoaderAdapter wraps one
+        if loader is not None and getattr(base, "generator", None) is own:
+            loaders[id(base)] = base
+    spare = torch.Generator()
+    spare.set_state(own.get_state())
+    for base in loaders.values():
+        base.generator = spare  # the base seed, drawn when the iterator starts
+    own.set_state(state)
+    try:
+        yield
+    finally:
+        for base in loaders.values():
+            base.generator = own
 
 
 _END = object()
@@ -158,5 +327,6 @@ def _skip(accelerator, data, skip):
     return accelerator.skip_first_batches(data, skip)
 
 
-__all__ = ["Resume", "capture_epoch", "capture_rng", "data_generators", "keep_rng",
-           "restore_generators", "restore_rng"]
+__all__ = ["Resume", "capture_epoch", "capture_rng", "data_generators", "generator_roles",
+           "keep_rng", "restore_generators", "restore_rng", "shuffle_state", "shuffling_from",
+           "translate_epoch", "translate_generators"]

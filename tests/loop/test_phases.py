@@ -186,3 +186,18 @@ def test_the_reason_an_epoch_ended_is_named_until_its_safe_point(tiny_loop):
                        ("safe", "end_epoch"), ("train_end", "stop"), ("safe", "stop")]
     assert loop.state.epoch_end_reason is None
     assert (loop.state.epoch, loop.state.step_in_epoch, loop.state.global_step) == (2, 3, 13)
+
+
+def test_fit_to_a_limit_the_resumed_run_has_passed_warns_and_trains_nothing(tiny_loop, tmp_path):
+    from hookloop.plugins import Checkpoint
+    from hookloop.testing import parameters, reset_accelerate
+
+    tiny_loop([Checkpoint(dir=tmp_path, signals=None)]).fit(max_steps=13)
+    reset_accelerate()
+    loop = tiny_loop([Checkpoint(dir=tmp_path, signals=None)], resume_from="latest")
+    before = parameters(loop)
+    with pytest.warns(RuntimeWarning, match=r"fit\(max_steps=10\) trains nothing: the run is already "
+                                            r"at epoch 1, update 13, 5 batches into the epoch"):
+        loop.fit(max_steps=10)
+    assert loop.state.global_step == 13
+    assert all(torch.equal(a, b) for a, b in zip(before, parameters(loop)))

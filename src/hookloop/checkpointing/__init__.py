@@ -75,6 +75,9 @@ the epoch replay are :mod:`hookloop.rng`'s):
     saving      save: write, fsync, publish, ``latest``, rotate
     staging     stage: read and verify into memory
     loading     find / resolve, load (all or nothing)
+    elastic     another cut of the global batch: the data position in examples,
+                what maps and what is re-derived on another number of processes
+    weights     load_weights: a new run from a checkpoint's weights alone
     policy      CheckpointPolicy: what the I/O needs from the Checkpoint plugin
 """
 
@@ -101,6 +104,7 @@ from .policy import CheckpointPolicy, best_checkpoint_path, checkpoint_plugins, 
 from .runs import RunIdentity, best_checkpoints, foreign_checkpoints, owns, run_identity
 from .saving import save
 from .staging import Staged, stage
+from .weights import load_weights
 
 # Importable from here as in hookloop 0.2, though not in __all__: the random
 # states (hookloop.rng's since 0.3), the file names, the run folders, the codec,
@@ -140,6 +144,7 @@ __all__ = [
     "foreign_checkpoints",
     "list_checkpoints",
     "load",
+    "load_weights",
     "owns",
     "read_latest",
     "read_manifest",

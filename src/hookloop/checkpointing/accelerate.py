@@ -253,8 +253,10 @@ def commit(loop, staged, custom: list, where: str) -> None:
         apply("the gradient scaler state", SCALER_FILE, lambda: acc.scaler.load_state_dict(staged.scaler))
     for i, (obj, state) in enumerate(zip(acc._custom_objects, custom)):
         apply(f"registered object #{i}", custom_file(i), lambda o=obj, s=state: o.load_state_dict(s))
-    apply(f"the random states of process {staged.process_index}", rng_file(staged.process_index),
-          lambda: _restore_rng(acc, staged.rng))
+    source = staged.process_index if staged.source_rank is None else staged.source_rank
+    derive = None if source == staged.process_index else staged.process_index
+    apply(f"the random states of process {staged.process_index}", rng_file(source),
+          lambda: _restore_rng(acc, staged.rng, derive_for=derive))
 
 
 def _load_model_state(model, state: dict) -> None:
@@ -291,10 +293,32 @@ def _commit_dataloaders(acc, staged, where: str) -> None:
             dataloader.load_state_dict(state)
 
 
-def _restore_rng(acc, states: dict) -> None:
-    """What ``load_accelerator_state`` does with ``random_states_<rank>.pkl``."""
+def derived_seed(states: dict, rank: int) -> int:
+    """The seed of a process that a checkpoint has no random states of (it
+    was written by fewer processes): a 63-bit number from the SHA-256 of
+    the saved rank 0's torch RNG state and ``rank``. The same on every
+    resume of that checkpoint, another for every rank, and unrelated to
+    the saved ranks' own states."""
+    import hashlib
+
+    digest = hashlib.sha256(b"hookloop: random states of rank %d from rank 0's\0" % rank)
+    digest.update(torch.as_tensor(states["torch_manual_seed"]).contiguous().numpy().tobytes())
+    return int.from_bytes(digest.digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def _restore_rng(acc, states: dict, derive_for: int | None = None) -> None:
+    """What ``load_accelerator_state`` does with ``random_states_<rank>.pkl``.
+    ``derive_for``: the rank of this process, which the checkpoint has no
+    states of (``states`` are rank 0's): python, numpy and torch (every
+    device) are seeded from :func:`derived_seed` instead."""
     if "step" in states:
         acc.step = states["step"]
+    if derive_for is not None:
+        seed = derived_seed(states, derive_for)
+        random.seed(seed)
+        np.random.seed(seed % (1 << 32))
+        torch.manual_seed(seed)  # (and every CUDA device's)
+        return
     random.setstate(states["random_state"])
     np.random.set_state(states["numpy_random_seed"])
     torch.set_rng_state(states["torch_manual_seed"])

@@ -121,8 +121,10 @@ def _rng_from_tensors(prefix: str, tensors: dict, meta: dict) -> dict:
 
 def write_rank_file(file: Path, loop) -> None:
     """This process's part of the run state: the random states its epoch
-    started from, its data generators now, and its ``loop.log(on_epoch=True)``
-    values of the epoch so far."""
+    started from (and, for an epoch continued on another number of processes,
+    the generator state its shuffle is drawn with: ``epoch.shuffle``), its
+    data generators now, and its ``loop.log(on_epoch=True)`` values of the
+    epoch so far."""
     from safetensors.torch import save_file
 
     tensors: dict = {}
@@ -132,6 +134,8 @@ def write_rank_file(file: Path, loop) -> None:
         _rng_tensors("epoch", epoch["rng"], tensors, meta)
         for path, state in epoch["generators"].items():
             tensors[f"epoch.gen.{path}"] = state.clone()
+        if epoch.get("shuffle") is not None:  # an epoch continued on another loader (rng.translate_epoch)
+            tensors["epoch.shuffle"] = epoch["shuffle"].clone()
     if loop.train_data is not None:
         for path, gen in data_generators(loop.train_data).items():
             tensors[f"now.gen.{path}"] = gen.get_state()
@@ -164,8 +168,10 @@ def parse_rank_file(data: bytes):
             "generators": {k[len("epoch.gen."):]: v for k, v in tensors.items()
                            if k.startswith("epoch.gen.")},
         }
+        if "epoch.shuffle" in tensors:
+            epoch["shuffle"] = tensors["epoch.shuffle"]
         check_rng(epoch["rng"]["python"], epoch["rng"]["numpy"], epoch["rng"]["torch"])
-        for state in epoch["generators"].values():
+        for state in [*epoch["generators"].values(), *([epoch["shuffle"]] if "shuffle" in epoch else [])]:
             torch.Generator().set_state(state)
     now = {k[len("now.gen."):]: v for k, v in tensors.items() if k.startswith("now.gen.")}
     for state in now.values():

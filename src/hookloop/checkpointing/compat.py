@@ -1,8 +1,10 @@
-"""May this checkpoint be loaded into this loop? Everything that must match
-before anything is read in full: the number of processes, the networks and
+"""May this checkpoint be loaded into this loop, and where does it continue?
+Everything that must match before anything is read in full: the networks and
 their tensor shapes, the optimizer and scheduler classes, the objects
 prepared on the accelerator, the run settings that decide the data order and
-the step count (:func:`run_settings`), and the stateful plugins.
+the step count (:func:`run_settings`), and the stateful plugins. How the
+global batch is cut (processes, batch size, accumulation) may differ: the
+data position is then mapped in examples (:mod:`.elastic`).
 """
 
 from __future__ import annotations
@@ -10,27 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..batches import length_of, loader_batch_size
+from ..rng import generator_roles
 from . import accelerate as accel
-from . import safe_read
+from . import elastic, safe_read
 from .codec import stateful_plugins
+from .elastic import SETTINGS, Plan  # noqa: F401 - SETTINGS: importable from here as in 0.3.0
 from .errors import CheckpointError
-
-#: what each recorded run setting decides (shown when a resume differs)
-SETTINGS = {
-    "gradient_accumulation_steps": "an update would average another number of batches, and "
-                                   "global_step would count other updates",
-    "batches_per_epoch": "the epoch would have another length, and the data position another meaning",
-    "batch_size": "the batches, their order and the step count would differ",
-    "dataset_length": "the shuffle would be drawn over other examples",
-    "sampler": "the data would be drawn in another order",
-    "drop_last": "the epoch would have another length",
-    "use_seedable_sampler": "the shuffle would be drawn from another generator",
-    "data_seed": "the shuffle would be drawn from another seed",
-    "split_batches": "the batches would be split differently between processes",
-    "even_batches": "the last batches would be shared out differently between processes",
-    "dispatch_batches": "the batches would be read and shared out differently between processes",
-}
-
 
 def run_settings(loop) -> dict:
     """What decides the data order and the step count of ``loop``'s run, as
@@ -54,6 +41,16 @@ def run_settings(loop) -> dict:
     for key in ("use_seedable_sampler", "data_seed", "split_batches", "even_batches", "dispatch_batches"):
         value = getattr(config, key, None)
         out[key] = value if isinstance(value, (bool, int, str)) else None
+    # the cut of the global batch, and where the epoch is in its global order
+    # (docs/checkpoints.md, Another number of processes)
+    size = out["batch_size"]
+    per_batch = None if size is None else size if out["split_batches"] is True else size * acc.num_processes
+    out["examples_per_batch"] = per_batch
+    accumulation = out["gradient_accumulation_steps"]
+    out["global_batch_size"] = per_batch * accumulation if per_batch is not None else None
+    out["examples_in_epoch"] = loop.state.step_in_epoch * per_batch if per_batch is not None else None
+    roles = generator_roles(data)  # which generator draws the shuffle (another loader redraws it)
+    out["sampler_generator"], out["loader_generator"] = roles["sampler"], roles["loader"]
     return out
 
 
@@ -79,22 +76,25 @@ def _first_of(obj, *names):
     return None
 
 
-def check_compatible(loop, path: Path, doc: dict, strict: bool) -> list[str]:
-    """Everything that must match before anything is loaded; returns the
-    warnings to give (non-strict plugin mismatches)."""
+def check_resume(loop, path: Path, doc: dict, strict: bool) -> tuple[list[str], Plan]:
+    """Everything that must match before anything is loaded, and where the
+    checkpoint continues (:class:`~.elastic.Plan`: the position in this
+    run's batches, on another number of processes or with another batch
+    size). Returns the warnings to give (non-strict mismatches, a mapped
+    position) and the plan."""
     where = f"checkpoint {str(path)!r}"
     _check_networks(loop, path, doc, where)
-    return _check_settings(loop, doc, where, strict) + _check_plugins(loop, doc, where, strict)
+    plan = elastic.plan(loop, path, doc, run_settings(loop), strict)
+    return plan.messages + _check_plugins(loop, doc, where, strict), plan
+
+
+def check_compatible(loop, path: Path, doc: dict, strict: bool) -> list[str]:
+    """:func:`check_resume`'s warnings (hookloop 0.3.0's name)."""
+    return check_resume(loop, path, doc, strict)[0]
 
 
 def _check_networks(loop, path: Path, doc: dict, where: str) -> None:
     acc = loop.accelerator
-    if doc["num_processes"] != acc.num_processes:
-        raise CheckpointError(
-            f"{where} was written by {doc['num_processes']} process(es); this run has "
-            f"{acc.num_processes}. The data position and the per-process random states "
-            "only mean the same thing with the same number of processes."
-        )
     saved_nets = doc["networks"]
     if list(saved_nets) != list(loop.networks):
         raise CheckpointError(
@@ -134,26 +134,6 @@ def _check_networks(loop, path: Path, doc: dict, where: str) -> None:
         file = accel.model_file(index)
         _check_shapes(path / file, model, owner.get(file, f"accelerator model #{index}"), where,
                       (doc.get("files") or {}).get(file))
-
-
-def _check_settings(loop, doc: dict, where: str, strict: bool) -> list[str]:
-    saved_settings = doc.get("settings") or {}
-    current_settings = run_settings(loop)
-    differ = []
-    for key, was in saved_settings.items():
-        now_value = current_settings.get(key)
-        if key == "num_processes" or was is None or now_value is None or was == now_value:
-            continue
-        differ.append(f"{key}={was!r} (this run has {key}={now_value!r}: "
-                      f"{SETTINGS.get(key, 'the data order or the step count would differ')})")
-    if not differ:
-        return []
-    msg = (f"{where} was written with other settings than this run's, which decide the data "
-           f"order and the step count: {'; '.join(differ)}")
-    if strict:
-        raise CheckpointError(msg + ". The resumed run would not continue the saved one; pass "
-                              "strict=False to resume anyway (with a warning)")
-    return [msg + ". Resuming anyway (strict=False)"]
 
 
 def _check_plugins(loop, doc: dict, where: str, strict: bool) -> list[str]:
@@ -197,6 +177,13 @@ def _check_shapes(file: Path, model, network: str, where: str, size: int | None 
     except OSError as exc:
         raise CheckpointError(f"{where}: cannot read {file.name}: {type(exc).__name__}: "
                               f"{exc.strerror or exc}") from None
+    compare_shapes(saved, expected, network, where)
+
+
+def compare_shapes(saved: dict, expected: dict, network: str, where: str) -> None:
+    """``saved`` (tensor name -> shape) against a model's ``state_dict()``
+    (``expected``): the same names (a tied tensor's second name may be
+    missing) and shapes, or a :class:`CheckpointError` naming the tensor."""
 
     def show(key):
         return key[len("module."):] if key.startswith("module.") else key

@@ -14,9 +14,10 @@ import torch
 
 from ..rng import Resume, capture_rng
 from . import accelerate as accel
+from . import elastic
 from .codec import stateful_plugins
 from .collective import every_rank
-from .compat import check_compatible
+from .compat import check_resume
 from .errors import CheckpointError, first_line
 from .layout import LATEST, STATE_FILE, NotACheckpointName, list_checkpoints, read_latest
 from .lock import refuse_live_run
@@ -47,8 +48,15 @@ def resolve(resume_from, root) -> Path | None:
     Finding the newest *loadable* checkpoint reads it: every file is read
     once, its checksum verified and its content deserialised into memory
     (:func:`find` also returns what it read, for :func:`load`). With
-    several processes every one calls this, and they skip the same
-    checkpoints (one that fails on any process is skipped by all).
+    several processes every one calls this, and they agree: the main
+    process's view of the root (or path) decides which checkpoint it is,
+    every rank stages that one from its own view, and they skip the same
+    checkpoints (one that fails on any process is skipped by all). A
+    checkpoint the main process sees and another rank does not (a root that
+    is not on a shared file system), or checkpoints another rank sees where
+    the main sees none, is a :class:`CheckpointError` on every rank naming
+    the ranks and the path: never some ranks resuming while others start
+    from scratch.
     """
     return _find(resume_from, root)[0]
 
@@ -60,45 +68,55 @@ def find(resume_from, root) -> tuple[Path | None, Staged | None]:
     return _find(resume_from, root)
 
 
+#: what every rank must be told when some cannot see the checkpoint
+_SHARED = ("A checkpoint folder must be visible to every process: a shared file system, or copy "
+           "it to each machine")
+
+
 def _find(resume_from, root, stacklevel: int = 4):
     # (warnings name the caller of the caller of resolve() or find())
     refuse_live_run(resume_from, root)  # a live run's root: refused before anything is read
     lenient = resume_from == "latest"
-    if lenient:
-        root = Path(root)
-    else:
-        path = Path(os.fspath(resume_from)).expanduser()
-        looks_like_root = (
-            path.is_dir() and not (path / STATE_FILE).exists()
-            and ((path / LATEST).exists() or list_checkpoints(path))
-        )
-        if not looks_like_root:
-            return path, None
-        root = path
-    try:
-        name = read_latest(root)
-    except NotACheckpointName as exc:  # a .tmp- or .trash- folder ...: the newest usable instead
-        name = None
-        warnings.warn(f"hookloop: {exc}; resuming from the newest usable checkpoint instead",
-                      RuntimeWarning, stacklevel=stacklevel)
-    candidates = list_checkpoints(root)
-    order = [root / name] if name is not None else []
-    order += [c for c in reversed(candidates) if c.name != name]
+    # every rank's view of what resume_from names, exchanged once: the main
+    # process's view decides, and every rank checks it sees the same
+    views, error = _views(resume_from, root, lenient)
+    rank = accel.process_index()
+    if error is not None:
+        raise error  # this rank's own (read_latest of a root it sees)
+    failed = next((v["error"] for v in views if v["error"]), None)
+    if failed:
+        raise CheckpointError(failed)
+    mine, main = views[rank], views[0]
+    if main["kind"] == "path":
+        _agree_on_path(views, resume_from)
+        return Path(mine["path"]), None
+    root = Path(mine["root"])
+    if mine["warning"]:  # a .tmp- or .trash- folder ...: the newest usable instead
+        warnings.warn(f"hookloop: {mine['warning']}; resuming from the newest usable checkpoint "
+                      "instead", RuntimeWarning, stacklevel=stacklevel)
+    name, candidates = main["latest"], main["names"]
+    order = [name] if name is not None else []
+    order += [c for c in reversed(candidates) if c != name]
+    if not order:
+        _agree_on_nothing(views, resume_from)
     problems = []
     for candidate in order:
+        blind = [r for r, v in enumerate(views) if candidate in candidates and candidate not in v["names"]]
+        if blind:
+            raise CheckpointError(_blind_message(views, blind, candidate, resume_from))
         staged = None
         with every_rank(raise_error=False) as outcome:  # every process skips the same checkpoints
-            staged = stage(candidate)
+            staged = stage(root / candidate)
         error = outcome.error
         if error is None:
             if len(problems) > 1 or (problems and name is None):
                 warnings.warn(
-                    f"hookloop: resuming from {candidate}; newer checkpoints are not usable: "
+                    f"hookloop: resuming from {root / candidate}; newer checkpoints are not usable: "
                     + "; ".join(problems[1 if name is not None else 0:]),
                     RuntimeWarning,
                     stacklevel=stacklevel,
                 )
-            return candidate, staged
+            return root / candidate, staged
         if name is not None and not problems and len(order) > 1:
             warnings.warn(
                 f"hookloop: {root / LATEST} names {name!r}, which is not usable ({error}); "
@@ -111,17 +129,106 @@ def _find(resume_from, root, stacklevel: int = 4):
         return None, None
     raise CheckpointError(
         f"resume_from={str(resume_from)!r}: no usable checkpoint in {root} "
-        f"(found {', '.join(p.name for p in candidates) or 'none'})"
+        f"(found {', '.join(candidates) or 'none'})"
         + "".join(f"; {p}" for p in problems)
     )
+
+
+def _views(resume_from, root, lenient: bool) -> tuple[list[dict], CheckpointError | None]:
+    """Every rank's view of ``resume_from`` (one ``gather_object``; none with
+    one process), and this rank's own error reading it, if any. A view:
+    ``kind`` (``"root"``: a checkpoint root, ``"path"``: anything else),
+    ``path`` (with its ``exists`` and ``manifest``), ``root``, the name
+    ``latest`` holds, the checkpoint ``names`` in the root, a ``warning``
+    (``latest`` names no checkpoint) and an ``error`` message."""
+    view = {"kind": "root", "path": None, "exists": False, "manifest": False, "root": None,
+            "latest": None, "names": [], "warning": None, "error": None}
+    error = None
+    if lenient:
+        root = Path(root)
+    else:
+        path = Path(os.fspath(resume_from)).expanduser()
+        view.update(path=str(path), exists=path.exists(), manifest=(path / STATE_FILE).exists())
+        looks_like_root = (
+            path.is_dir() and not view["manifest"]
+            and ((path / LATEST).exists() or list_checkpoints(path))
+        )
+        if not looks_like_root:
+            view["kind"] = "path"
+        root = path
+    view["root"] = str(root)
+    if view["kind"] == "root":
+        try:
+            view["latest"] = read_latest(root)
+        except NotACheckpointName as exc:
+            view["warning"] = str(exc)
+        except CheckpointError as exc:
+            error, view["error"] = exc, str(exc)
+        view["names"] = [c.name for c in list_checkpoints(root)]
+    if accel.process_count() == 1:
+        return [view], error
+    from accelerate.utils import gather_object
+
+    return gather_object([view]), error
+
+
+def _where(view) -> str:
+    return repr(view["root"])
+
+
+def _agree_on_path(views: list[dict], resume_from) -> None:
+    """``resume_from`` names a checkpoint (by the main process's view): every
+    rank must see it as the main does (the folder, its manifest), so that
+    :func:`load` fails or succeeds on all of them alike."""
+    seen = [(v["exists"], v["manifest"]) for v in views]
+    if len(set(seen)) == 1:
+        return
+    best = max(seen)
+    blind = [r for r, s in enumerate(seen) if s != best]
+    what = "it" if best[1] else "its folder"
+    raise CheckpointError(
+        f"resume_from={str(resume_from)!r}: {_ranks(blind)} cannot see {what}"
+        + "".join(f" (rank {r} looks for {views[r]['path']!r})" for r in blind
+                  if views[r]["path"] != views[0]["path"])
+        + f", which {_ranks([r for r in range(len(views)) if r not in blind])} see"
+        + f"{'s' if len(views) - len(blind) == 1 else ''}. {_SHARED}. Nothing was loaded"
+    )
+
+
+def _agree_on_nothing(views: list[dict], resume_from) -> None:
+    """The main process sees no checkpoint in its root: a fresh start only
+    if no rank sees one in its own."""
+    seeing = [r for r, v in enumerate(views) if v["names"] or v["latest"]]
+    if not seeing:
+        return
+    raise CheckpointError(
+        f"resume_from={str(resume_from)!r}: rank 0 sees no checkpoint in {_where(views[0])}, but "
+        + "; ".join(f"rank {r} sees {', '.join(views[r]['names'][-3:]) or views[r]['latest']} in "
+                    f"{_where(views[r])}" for r in seeing)
+        + f": the processes would not start alike (some from scratch, some resumed). {_SHARED}. "
+        "Nothing was loaded"
+    )
+
+
+def _blind_message(views: list[dict], blind: list[int], name: str, resume_from) -> str:
+    path = Path(views[0]["root"]) / name
+    elsewhere = "".join(f"; rank {r} looks in {_where(views[r])}" for r in blind
+                        if views[r]["root"] != views[0]["root"])
+    return (f"resume_from={str(resume_from)!r}: {_ranks(blind)} cannot see checkpoint "
+            f"{str(path)!r}, which rank 0 resumes from ({len(views)} processes{elsewhere}). "
+            f"{_SHARED}. Nothing was loaded")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def load(loop, path, *, strict: bool = True, trust_pickles=None, staged: Staged | None = None) -> Resume:
     """Restore ``loop`` from the checkpoint at ``path`` (every process).
 
-    All or nothing: first the manifest is checked against the loop (number
-    of processes, networks, tensor shapes, optimizer and scheduler classes,
-    the run settings that decide the data order and step count, stateful
+    All or nothing: first the manifest is checked against the loop (the
+    networks, tensor shapes, optimizer and scheduler classes, the run
+    settings that decide the data order and step count, stateful
     plugins), then every file is read into memory and verified
     (:func:`stage`: sizes, checksums, deserialisation with
     ``weights_only=True``, random states, finiteness), and optimizer states
@@ -138,6 +245,8 @@ def load(loop, path, *, strict: bool = True, trust_pickles=None, staged: Staged 
     still does not fit, the param groups it added are taken out again and
     the error names the network and the checkpoint).
 
+    Another number of processes, batch size or accumulation: :mod:`.elastic`.
+
     :param trust_pickles: names of ``custom_checkpoint_<i>.pkl`` files
         (objects given to ``accelerator.register_for_checkpointing``) that
         may be unpickled although they are not plain data; default: the
@@ -153,7 +262,7 @@ def load(loop, path, *, strict: bool = True, trust_pickles=None, staged: Staged 
         staged = None  # staged for another process or another checkpoint: read again
     doc = read_manifest(path)
     where = f"checkpoint {str(path)!r}"
-    messages = check_compatible(loop, path, doc, strict)
+    messages, plan = check_resume(loop, path, doc, strict)
     try:  # on a scratch state: fails before any change
         scratch = type(loop.state)()
         scratch.load_state_dict(doc["loop"])
@@ -171,6 +280,7 @@ def load(loop, path, *, strict: bool = True, trust_pickles=None, staged: Staged 
             staged = stage(path, doc, acc.process_index)
         custom = _custom_states(staged, trusted, where)
         _check_optimizers(loop, staged, where, groups=False)
+        parts = elastic.rank_parts(path, doc, staged, plan, where) if plan.elastic else None
 
     # plugins that must act before the optimizer state (add a param group)
     optimizers = [getattr(o, "optimizer", o) for o in accel.optimizers(acc)]
@@ -184,13 +294,15 @@ def load(loop, path, *, strict: bool = True, trust_pickles=None, staged: Staged 
                 optimizer.param_groups[:] = groups  # undo added param groups
             raise
 
-    accel.commit(loop, staged, custom, where)
+    elastic.scale_schedulers(loop, staged, plan)
+    accel.commit(loop, staged, custom, where)  # (a rank the checkpoint lacks: derived random states)
     rng = capture_rng()
     state = loop.state  # the run state, whole: position, run, this process's epoch
     state.load_state_dict(doc["loop"])
     state.load_run_dict(doc.get("run") or {})
-    state.epoch_start = staged.epoch_start
-    state.logged.load_state_dict(staged.logged)
+    epoch_start, generators, logged = elastic.continue_epoch(loop, staged, plan, parts, messages)
+    state.epoch_start = epoch_start
+    state.logged.load_state_dict(logged)
     adopt_run(loop, path, doc)
     current = dict(stateful_plugins(loop))
     for name, state in staged.plugin_states.items():
@@ -204,7 +316,7 @@ def load(loop, path, *, strict: bool = True, trust_pickles=None, staged: Staged 
             ) from exc
     for message in messages:
         warnings.warn(f"hookloop: {message}", RuntimeWarning, stacklevel=3)
-    return Resume(epoch_start=staged.epoch_start, rng=rng, generators=staged.generators, path=path)
+    return Resume(epoch_start=epoch_start, rng=rng, generators=generators, path=path)
 
 
 def _restore_early(loop, staged: Staged, where: str) -> None:

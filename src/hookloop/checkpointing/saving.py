@@ -101,8 +101,11 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
                     acc.save_state(str(tmp))
                 codec.write_rank_file(tmp / RANK_FILE.format(rank=acc.process_index), loop)
 
-            with every_rank(acc, catch=Exception, describe=failed(f"cannot finish checkpoint {final}")):
+            finishing = failed(f"cannot finish checkpoint {final}")
+            with every_rank(acc, catch=Exception,
+                            describe=lambda exc: exc if isinstance(exc, MissingRankFiles) else finishing(exc)):
                 if main:
+                    check_rank_files(tmp, final, acc.num_processes)  # before anything is published
                     final, replaced = _finish(loop, tmp, final, position, networks, plugins, tensors,
                                               reason, monitor, update_latest)
                     if update_latest:
@@ -112,10 +115,44 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
                     if keep_last:
                         rotate(loop, root, keep_last, keep)
         except CheckpointError:
-            if main:  # a failed save leaves nothing behind; the previous checkpoint stays latest
+            # a failed save leaves nothing behind; the previous checkpoint stays latest. Another
+            # rank removes its folder only where it is not the main's (no rank 0 file in it:
+            # a root that is not shared), which the main process removes
+            if main or (tmp.is_dir() and not (tmp / accel.rng_file(0)).exists()):
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
     return final
+
+
+class MissingRankFiles(CheckpointError):
+    """A rank's files are not in the folder the main process publishes: the
+    checkpoint root is not the same folder on every process."""
+
+
+def check_rank_files(tmp: Path, final: Path, num_processes: int) -> None:
+    """Main process, after every rank wrote into its ``tmp``: each rank's own
+    files (``random_states_<r>.pkl``, ``hookloop-rank<r>.safetensors``) are
+    in this process's ``tmp``, one ``stat`` each; else
+    :class:`MissingRankFiles` naming the ranks, the files and the folder."""
+    missing = {}
+    for rank in range(num_processes):
+        for rel in (accel.rng_file(rank), RANK_FILE.format(rank=rank)):
+            try:
+                os.stat(tmp / rel)
+            except FileNotFoundError:
+                missing.setdefault(rank, []).append(rel)
+    if not missing:
+        return
+    several = len(missing) > 1
+    raise MissingRankFiles(
+        f"cannot save checkpoint {str(final)!r}: rank{'s' if several else ''} "
+        f"{', '.join(map(str, missing))} wrote {'their' if several else 'its'} files, but they are "
+        f"not in {str(tmp)!r}, the folder the main process publishes (missing there: "
+        + "; ".join(f"rank {r}: {', '.join(rels)}" for r, rels in missing.items())
+        + "). A checkpoint folder must be visible to every process: a shared file system, with "
+        "the same Checkpoint(dir=...) on every process. Nothing was published; 'latest' still "
+        "names the previous checkpoint"
+    )
 
 
 #: loop -> (its run id on this process, the agreed tag of its temporary folders)

@@ -37,6 +37,11 @@ class Staged:
     plugin_states: dict
     #: this process's loop.log(on_epoch=True) values of the epoch so far
     logged: dict = field(default_factory=dict)
+    #: whose per-process files were read (``random_states_<r>.pkl``,
+    #: ``hookloop-rank<r>.safetensors``): this process's, or, on a run of more
+    #: processes than the checkpoint's, 0's for a rank it does not have
+    #: (:func:`~.loading.load` derives that rank's random states from them)
+    source_rank: int | None = None
 
 
 def stage(path, doc: dict | None = None, process_index: int | None = None) -> Staged:
@@ -66,6 +71,9 @@ def stage(path, doc: dict | None = None, process_index: int | None = None) -> St
 
 def _stage(path: Path, doc: dict, process_index: int | None) -> Staged:
     rank = accel.process_index() if process_index is None else process_index
+    # a rank the checkpoint has no files of (it was written by fewer
+    # processes: an elastic resume) reads rank 0's
+    source = rank if rank < doc["num_processes"] else 0
     where = f"checkpoint {str(path)!r}"
     counts = doc["accelerate"]
     owner = {}
@@ -110,8 +118,8 @@ def _stage(path: Path, doc: dict, process_index: int | None) -> Staged:
         what = owner.get(rel, f"the state of accelerator scheduler #{i}")
         schedulers.append(load(accel.torch_load, rel, what))
 
-    rel = accel.rng_file(rank)
-    what = f"the random states of process {rank}"
+    rel = accel.rng_file(source)
+    what = f"the random states of process {source}"
     rng = load(accel.torch_load, rel, what)
     try:
         check_rng(rng["random_state"], rng["numpy_random_seed"], rng["torch_manual_seed"])
@@ -134,8 +142,8 @@ def _stage(path: Path, doc: dict, process_index: int | None) -> Staged:
         except CheckpointError:
             custom[rel] = ("pickle", data)
 
-    rel = RANK_FILE.format(rank=rank)
-    what = f"the data position of process {rank}"
+    rel = RANK_FILE.format(rank=source)
+    what = f"the data position of process {source}"
     data = read(rel, what)
     try:
         epoch_start, generators, logged = parse_rank_file(data)
@@ -155,4 +163,4 @@ def _stage(path: Path, doc: dict, process_index: int | None) -> Staged:
 
     check_staged_finite(models, optimizers, doc, where)
     return Staged(path, doc, rank, models, optimizers, schedulers, rng, scaler, extra, custom,
-                  epoch_start, generators, plugin_states, logged)
+                  epoch_start, generators, plugin_states, logged, source)
