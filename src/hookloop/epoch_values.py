@@ -18,6 +18,8 @@ class EpochValues:
     def __init__(self):
         #: key -> [reduction, total (float or 0-d float64 tensor), count]
         self._values: dict[str, list] = {}
+        #: key -> the plugin that logs it (see :mod:`hookloop.logbook`)
+        self.owners: dict[str, str] = {}
 
     def add(self, values, reduce: str) -> None:
         if reduce not in REDUCTIONS:
@@ -57,6 +59,11 @@ class EpochValues:
 
     def clear(self) -> None:
         self._values = {}
+        self.owners = {}
+
+    def forget(self, key) -> None:
+        """Drop what was added under ``key`` (its writer was replaced)."""
+        self._values.pop(key, None)
 
     def state_dict(self) -> dict:
         """This process's running reductions: ``{key: [reduction, total,
@@ -84,6 +91,7 @@ class EpochValues:
         values = self._values
         if clear:
             self._values = {}
+            self.owners = {}
         several = accelerator.num_processes > 1
         keys = sorted(values)
         if several:  # a key logged on one process only must not hang the others

@@ -19,9 +19,7 @@ from torch.utils.data import DataLoader
 
 from . import rng
 from .batches import abandon
-
-_END = object()
-
+from .logbook import Metrics
 
 @contextlib.contextmanager
 def eval_mode(networks):
@@ -49,49 +47,59 @@ def outputs_of(loop, batch):
     return outputs
 
 
-def run(loop, data, logged, metrics: dict | None = None) -> dict:
+def run(loop, data, logbook, metrics: dict | None = None, limit: int | None = None) -> dict:
     """One evaluation of ``data``: ``on_eval_start``, per batch ``eval_step``
     and ``after_eval_step``, ``on_eval_end``, in eval mode without
-    gradients. Returns the metrics: ``metrics`` (entries to start from: the
-    epoch's ``loop.log(on_epoch=True)`` values), then what was logged with
-    ``loop.log(on_epoch=True)`` during the evaluation (``logged``), then the
-    mean of every per-example value ``after_eval_step`` returned; plugins
-    may add to it in ``on_eval_end``."""
+    gradients. Returns the metrics (:class:`~hookloop.logbook.Metrics`):
+    ``metrics`` (entries to start from: the epoch's ``loop.log(on_epoch=True)``
+    values), then what was logged with ``loop.log(on_epoch=True)`` during the
+    evaluation, then the mean over every example of every per-example value
+    ``after_eval_step`` returned; plugins may add to it in ``on_eval_end``.
+    ``limit``: at most this many batches (the sanity check's one)."""
     hook = loop.hook
-    sums: dict = {}
-    counts: dict = {}
+    named = hook.named("after_eval_step")  # who returned what (None: pluggy's caller runs it)
+    values = Values(loop)
+    logged = logbook.eval_values
     logged.clear()
-    with eval_mode(loop.networks):
-        hook.on_eval_start(loop=loop)
-        with torch.no_grad():
-            for batch in data:
-                outputs = outputs_of(loop, batch)
-                for values in hook.after_eval_step(loop=loop, batch=batch, outputs=outputs):
-                    add_values(loop, values, sums, counts)
-        means = [sums[key] / max(counts[key], 1) for key in sums]
-        metrics = {**(metrics or {}), **logged.reduce(loop.accelerator)}
-        metrics.update(zip(sums, torch.stack(means).tolist()) if means else ())
-        hook.on_eval_end(loop=loop, metrics=metrics)
+    loaders_before = list(loop.accelerator.gradient_state.dataloader_references)
+    batches = iter(data)
+    try:
+        with eval_mode(loop.networks):
+            hook.on_eval_start(loop=loop)
+            with torch.no_grad():
+                for batch in batches:
+                    outputs = outputs_of(loop, batch)
+                    if named is not None:
+                        results = named(loop=loop, batch=batch, outputs=outputs)
+                    else:
+                        results = [(None, r) for r in hook.after_eval_step(loop=loop, batch=batch,
+                                                                           outputs=outputs)]
+                    values.add(results, batch)
+                    if limit is not None and values.batches >= limit:
+                        break
+                else:
+                    if limit is not None and values.batches == 0:
+                        raise ValueError("eval_data is empty (0 batches): check the dataset and batch_size")
+            owners = {**(metrics._owners if isinstance(metrics, Metrics) else {}), **logged.owners,
+                      **values.owners}
+            metrics = Metrics({**(metrics or {}), **logged.reduce(loop.accelerator), **values.means()},
+                              plugins=loop.plugins, owners=owners)
+            hook.on_eval_end(loop=loop, metrics=metrics)
+    finally:
+        if limit is not None:
+            abandon(batches, loop.accelerator, loaders_before)
     return metrics
 
 
-def sanity_check(loop, data) -> None:
-    """One batch of ``data`` through ``eval_step`` and ``after_eval_step``,
-    with every random state (global and the loader's generators) put back
-    afterwards."""
-    loaders_before = list(loop.accelerator.gradient_state.dataloader_references)
+def sanity_check(loop, data, logbook) -> None:
+    """The sanity check: a whole evaluation (``on_eval_start``, one batch of
+    ``data`` through ``eval_step`` and ``after_eval_step``, ``on_eval_end``)
+    with ``loop.state.stage == "sanity"``, so that a wrong evaluation set, a
+    metric plugin or a misspelt ``monitor`` fails in seconds, not after an
+    epoch. Its metrics go nowhere; every random state (global, and the
+    loader's generators) is put back afterwards."""
     with rng.keep_rng(data):
-        batches = iter(data)
-        try:
-            batch = next(batches, _END)
-            if batch is _END:
-                raise ValueError("eval_data is empty (0 batches): check the dataset and batch_size")
-            with eval_mode(loop.networks), torch.no_grad():
-                outputs = outputs_of(loop, batch)
-                for values in loop.hook.after_eval_step(loop=loop, batch=batch, outputs=outputs):
-                    add_values(loop, values, {}, {})
-        finally:
-            abandon(batches, loop.accelerator, loaders_before)
+        run(loop, data, logbook, limit=1)
 
 
 def predict(loop, data):
@@ -123,19 +131,109 @@ def loader_for(loop, data, required=False):
     return prepared
 
 
-def add_values(loop, values, sums, counts) -> None:
-    """Add one ``after_eval_step`` result (per-example values) to the sums."""
-    if not isinstance(values, Mapping) or not all(isinstance(v, torch.Tensor) for v in values.values()):
-        impls = [i.plugin_name for i in reversed(loop.plugins.pm.hook.after_eval_step.get_hookimpls())]
-        raise TypeError(
-            "after_eval_step must return None or a dict {metric name: tensor of per-example "
-            f"values}}, got {type(values).__name__} {_short(values)} (after_eval_step plugins: "
-            f"{', '.join(impls)})"
-        )
-    for key, value in values.items():
-        value = value.detach().to(torch.float64)
-        sums[key] = sums.get(key, 0.0) + value.sum()
-        counts[key] = counts.get(key, 0) + value.numel()
+class Values:
+    """The per-example values ``after_eval_step`` implementations return,
+    summed per name over an evaluation, each name owned by the plugin that
+    returns it (a second plugin returning it is an error naming both, unless
+    one ``replaces`` the other), each value checked to be one per example of
+    the gathered batch."""
+
+    def __init__(self, loop):
+        self.loop = loop
+        self.sums: dict = {}
+        self.counts: dict = {}
+        #: name -> the plugin that returns it (None: not known, pluggy's caller ran)
+        self.owners: dict = {}
+        self.batches = 0
+        self._processes = loop.accelerator.num_processes
+
+    def add(self, results, batch) -> None:
+        self.batches += 1
+        examples = None
+        for plugin, values in results:
+            if not isinstance(values, Mapping) or not all(isinstance(v, torch.Tensor) for v in values.values()):
+                raise _bad_result(self.loop, plugin, values)
+            for key, value in values.items():
+                if not self._owned(key, plugin):
+                    continue
+                if examples is None:
+                    examples = batch_examples(batch)
+                _check_count(self.loop, plugin, key, value, examples, self._processes)
+                value = value.detach().to(torch.float64)
+                self.sums[key] = self.sums.get(key, 0.0) + value.sum()
+                self.counts[key] = self.counts.get(key, 0) + value.numel()
+
+    def _owned(self, key, plugin) -> bool:
+        """Whether ``plugin``'s value of ``key`` counts (another may own it)."""
+        from .logbook import collision, replaces
+
+        if key not in self.owners:
+            self.owners[key] = plugin
+            return True
+        owner = self.owners[key]
+        if owner == plugin or owner is None or plugin is None:
+            return True
+        if replaces(self.loop.plugins, plugin, owner):  # this one replaces the owner: its values go
+            self.owners[key] = plugin
+            self.sums.pop(key, None)
+            self.counts.pop(key, None)
+            return True
+        if replaces(self.loop.plugins, owner, plugin):
+            return False
+        raise collision("after_eval_step value", key, owner, plugin)
+
+    def means(self) -> dict:
+        keys = list(self.sums)
+        if not keys:
+            return {}
+        means = torch.stack([self.sums[k] / max(self.counts[k], 1) for k in keys]).tolist()
+        return dict(zip(keys, means))
+
+
+def batch_examples(batch) -> int | None:
+    """The number of examples in one process's batch (the first dimension of
+    its first tensor), or None if it has none."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.ndim else None
+    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, Sequence) else ()
+    for item in items:
+        if isinstance(item, torch.Tensor) and item.ndim:
+            return item.shape[0]
+    return None
+
+
+def _check_count(loop, plugin, key, value, examples, processes) -> None:
+    """One value per example of the gathered batch: not a batch mean, not
+    one process's values (the last batch may hold fewer: Accelerate drops
+    the examples it repeated to even out the processes)."""
+    if examples is None:
+        return
+    n, expected = value.numel(), examples * processes
+    if n == expected:
+        return
+    last = loop.accelerator.gradient_state.end_of_dataloader
+    who = f"plugin {plugin!r}" if plugin else "an after_eval_step implementation"
+    if n == 1 and expected > 1:
+        problem = ("a single value (a batch mean?): return one value per example, e.g. "
+                   "loss(reduction='none'), so that every example counts once in the mean")
+    elif processes > 1 and n == examples and not last:
+        problem = (f"this process's {examples} values, not the batch's {expected} over "
+                   f"{processes} processes: pass them through loop.accelerator.gather_for_metrics, "
+                   "or every process computes another mean")
+    elif last and n <= expected:
+        return
+    else:
+        problem = f"{n} values for a batch of {expected} examples ({examples} per process)"
+    raise ValueError(f"after_eval_step: {who} returned {key!r} as {problem}")
+
+
+def _bad_result(loop, plugin, values):
+    impls = [i.plugin_name for i in reversed(loop.plugins.pm.hook.after_eval_step.get_hookimpls())]
+    who = f"plugin {plugin!r}" if plugin else f"after_eval_step plugins: {', '.join(impls)}"
+    return TypeError(
+        "after_eval_step must return None or a dict {metric name: tensor of per-example "
+        f"values}}, got {type(values).__name__} {_short(values)} ({who})"
+    )
 
 
 def _short(value) -> str:

@@ -8,7 +8,8 @@ Call order for one epoch of supervised training with an evaluation set::
 
     on_loop_start                                       once, in Loop(...)
     on_fit_start
-      (sanity check: eval_step + after_eval_step on one eval batch)
+      (sanity check: on_eval_start, eval_step + after_eval_step on one eval batch,
+       on_eval_end; loop.state.stage == "sanity", metrics go nowhere)
       on_epoch_start
         before_step                                   ┐
         training_step                                 │ once per batch
@@ -530,17 +531,22 @@ def after_zero_grad(loop, network):
 def on_eval_start(loop):
     """Called at the start of every evaluation, after the networks were put
     in eval mode: at the end of every epoch when the loop has ``eval_data``,
-    every ``eval_every`` updates, and for :meth:`Loop.evaluate`.
+    every ``eval_every`` updates, for :meth:`Loop.evaluate`, and for the
+    sanity check before training (an evaluation of one batch, with
+    ``loop.state.stage == "sanity"``, whose metrics go nowhere).
 
-    A metric plugin resets what it accumulates here (the sanity check's one
-    batch comes before the first ``on_eval_start`` and is not followed by
-    ``on_eval_end``).
+    A metric plugin resets what it accumulates here; a plugin that acts on
+    an evaluation's result (saving the best, stopping early, reporting)
+    ignores the sanity check's, or uses it to check that the metric it
+    needs exists.
 
     :param loop: the :class:`~hookloop.Loop`.
 
     Return value ignored.
 
     .. versionadded:: 0.1
+    .. versionchanged:: 0.3
+        Also for the sanity check (``loop.state.stage == "sanity"``).
     """
 
 
@@ -556,7 +562,7 @@ def eval_step(loop, batch):
     :meth:`Loop.predict` gathers these outputs.
 
     :param loop: the :class:`~hookloop.Loop`; ``loop.state.stage`` is
-        ``"eval"``, ``"sanity_check"`` or ``"predict"``.
+        ``"eval"``, ``"sanity"`` or ``"predict"``.
     :param batch: the evaluation batch, on the device.
     :return: the model's outputs for the batch (anything but ``None``).
 

@@ -27,13 +27,12 @@ from . import checkpointing, checks, evaluation, rng
 from . import manager as plugin_manager
 from .accelerate_fastpath import FastPath
 from .batches import abandon, length_of
-from .epoch_values import EpochValues
+from .logbook import Logbook, Metrics
 from .network import Network, networks_from
 from .network import prepare as prepare_networks
 from .plugins import BUILTINS, FiniteCheck, ProgressBar
 from .state import DATA, END_EPOCH, MAX_STEPS, STOP, LoopState
 from .strategies import StepOutput, Supervised
-from .trackers import TrackerSession
 
 _NULL = contextlib.nullcontext()
 
@@ -51,7 +50,7 @@ class Loop:
 
         Loop(networks={"generator": Network(G, opt_g),
                        "discriminator": Network(D, opt_d)},
-             strategy=GAN(latent_dim=64), train_data=real_images)
+             strategy=GAN(latent_dim=64), train_data=real_image_loader)  # a DataLoader
 
     :param plugins: plugin objects, built-in or installed plugin names
         (``"gradclip"``, ``"ema"``) or ``(name, {options})`` pairs; called
@@ -113,9 +112,8 @@ class Loop:
         #: records it); a plugin may change it at update boundaries during a fit
         self.configured_accumulation = self.accelerator.gradient_accumulation_steps
         self._start_accumulation()  # read again when fit() starts
-        self._eval_values = EpochValues()  # loop.log(on_epoch=True) during an evaluation
         self._resume = None  # how to continue after load_checkpoint, used by the next epoch
-        self._trackers = TrackerSession(self.accelerator)
+        self._logbook = Logbook(self.accelerator, self.plugins)  # loop.log, trackers, metrics
         self._safe = False  # inside on_safe_point
         #: the checkpoint directory the last :meth:`load_checkpoint` restored
         self.resumed_from = None
@@ -173,9 +171,11 @@ class Loop:
 
         :param on_step: write them now to every tracker of the accelerator
             (``Accelerator(log_with=...)``, :class:`~hookloop.trackers.JSONLinesTracker`
-            included) at ``step=loop.state.global_step``, from the main
-            process (its values: reduce them first for a mean over
-            processes). Without trackers nothing is read (no device sync).
+            included), from the main process (its values: reduce them first
+            for a mean over processes), at the number of the update being
+            trained (every value logged while a batch trains shares it;
+            elsewhere ``loop.state.global_step``). Without trackers nothing
+            is read (no device sync).
         :param on_epoch: reduce them over the epoch and over processes
             (``reduce``: ``"mean"``, ``"sum"``, ``"max"``, ``"min"``; a
             tensor of several values counts each) and put the result under
@@ -186,21 +186,12 @@ class Loop:
             of the epoch: no sync per step. The epoch's values so far are
             part of every checkpoint: an epoch interrupted and resumed
             reduces the same values as one that was not.
+
+        Two plugins logging one key is an error naming both
+        (:mod:`hookloop.logbook`): name per-instance keys with
+        ``loop.plugins.name_of(self)``.
         """
-        if on_epoch:
-            stage = self.state.stage
-            if stage == "eval":
-                self._eval_values.add(values, reduce)
-            elif stage not in ("sanity_check", "predict"):
-                self.state.logged.add(values, reduce)
-        if on_step:
-            acc = self.accelerator
-            if not acc.is_main_process:
-                return
-            if not acc.trackers and not (self._trackers.fitting and self.start_trackers()):
-                return  # nobody to write to: nothing read
-            acc.log({k: v.item() if isinstance(v, torch.Tensor) else v for k, v in values.items()},
-                    step=self.state.global_step)
+        self._logbook.log(self.state, values, on_step, on_epoch, reduce, self._logbook.writer(1))
 
     def start_trackers(self, project_name: str = "hookloop", config: dict | None = None,
                        init_kwargs: dict | None = None) -> bool:
@@ -211,7 +202,7 @@ class Loop:
         ``fit`` calls it with the defaults after ``on_fit_start``; a plugin
         calls it in ``on_fit_start`` to choose the project name or store a
         run configuration. Returns whether trackers are running."""
-        return self._trackers.start(project_name, config, init_kwargs)
+        return self._logbook.trackers.start(project_name, config, init_kwargs)
 
     def accumulate(self, *models):
         """``accelerator.accumulate(*models)`` when gradient accumulation is
@@ -256,11 +247,11 @@ class Loop:
         :param eval_every: also evaluate every N updates (``on_eval_start`` /
             ``on_eval_end``, not the epoch hooks); not again at an epoch's
             last update, whose epoch-end evaluation follows.
-        :param sanity_check: before the first training step, run one batch of
-            ``eval_data`` through ``eval_step`` and ``after_eval_step``, so
-            that a wrong evaluation set or metric plugin fails in seconds,
-            not after an epoch. It changes nothing (the random states are put
-            back) and calls neither ``on_eval_start`` nor ``on_eval_end``.
+        :param sanity_check: before the first training step, evaluate one
+            batch of ``eval_data`` (``on_eval_start`` ... ``on_eval_end``, with
+            ``loop.state.stage == "sanity"``), so that a wrong evaluation set,
+            metric plugin or ``monitor`` fails in seconds, not after an epoch.
+            Its metrics go nowhere; the random states are put back.
         :param resume_from: first restore this checkpoint, as
             :meth:`load_checkpoint` does.
 
@@ -282,7 +273,7 @@ class Loop:
         if state.finished:
             checks.warn_nothing_to_do(state, epochs, max_steps)
         # trackers end last, after on_exception: a plugin may still log there
-        with self._trackers.for_fit(), self.plugins.guard(self), self._stage("train"):
+        with self._logbook.trackers.for_fit(), self.plugins.guard(self), self._stage("train"):
             self._begin_fit(sanity_check and not state.finished)
             while not state.finished:
                 reason = self._run_epoch(eval_every)
@@ -292,12 +283,13 @@ class Loop:
 
     def _begin_fit(self, sanity_check: bool) -> None:
         """``on_fit_start``, trackers, this fit's accumulation, the sanity check."""
+        self._logbook.start_fit()
         self.hook.on_fit_start(loop=self)
         self.start_trackers()  # unless a plugin started them in on_fit_start
         self._start_accumulation()  # after on_fit_start: a plugin may set it there
         if sanity_check and self.eval_data is not None:
-            with self._stage("sanity_check"):
-                evaluation.sanity_check(self, self.eval_data)
+            with self._stage("sanity"):
+                evaluation.sanity_check(self, self.eval_data, self._logbook)
 
     def _run_epoch(self, eval_every) -> str:
         """Train the current epoch, or the rest of it; return why it ended
@@ -333,7 +325,9 @@ class Loop:
         in_group = 0  # batches of the current accumulation group trained so far
         length = length_of(self.train_data)  # batches in a whole epoch, if known
         prepared = isinstance(self.train_data, DataLoaderStateMixin)  # knows its last batch
+        logbook = self._logbook
         for batch in batches:
+            logbook.step = state.global_step + 1  # what this batch's values are logged at
             hook.before_step(loop=self, batch=batch)
             state.step_in_epoch += 1
             state.epoch_ended = False
@@ -355,6 +349,7 @@ class Loop:
                 else:
                     in_group += 1
                 hook.after_step(loop=self, batch=batch, outputs=result.outputs, loss=result.loss)
+            logbook.step = None
             if in_group:
                 continue  # a stop, an evaluation, a safe point: at the end of the accumulation group
             last = ((length is not None and state.step_in_epoch >= length)
@@ -402,10 +397,12 @@ class Loop:
         state.epoch_complete, state.epoch_end_reason = complete, reason
         hook.on_train_epoch_end(loop=self, epoch=epoch)
         # an epoch ended early keeps its loop.log values: the next fit continues it
-        metrics = state.logged.reduce(self.accelerator, clear=complete)
+        owners = dict(state.logged.owners)
+        metrics = Metrics(state.logged.reduce(self.accelerator, clear=complete),
+                          plugins=self.plugins, owners=owners)
         if self.eval_data is not None:
             if state.evaluated_at == state.global_step and state.evaluated_at is not None:
-                metrics = {**metrics, **state.evaluation}  # this update's evaluation (eval_every)
+                metrics.update(state.evaluation)  # this update's evaluation (eval_every)
             else:
                 # an epoch ended early evaluates without a trace in the random
                 # states: the next fit continues the epoch as if it had not stopped
@@ -554,7 +551,7 @@ class Loop:
         hand-written Accelerate loop's does. ``metrics``: entries to start
         from (the epoch's ``loop.log(on_epoch=True)`` values)."""
         with self._stage("eval"), (rng.keep_rng() if keep_rng else _NULL):
-            return evaluation.run(self, data, self._eval_values, metrics)
+            return evaluation.run(self, data, self._logbook, metrics)
 
     # -- context of a fit ------------------------------------------------------------
 
@@ -592,7 +589,7 @@ class Loop:
         self._prepared = weakref.WeakKeyDictionary()
         self._fastpath.forget()
         try:
-            self._trackers.end()
+            self._logbook.trackers.end()
             self.accelerator.free_memory()
         except Exception:  # noqa: BLE001 - best effort
             pass

@@ -206,6 +206,18 @@ class PluginManager:
     def get(self, name: str):
         return self.pm.get_plugin(name)
 
+    def name_of(self, plugin) -> str | None:
+        """The name ``plugin`` (the object) is registered under (``"logger"``,
+        ``"logger-2"``, a name of its own), or None if it is not registered.
+        A plugin with several instances names what it logs with it::
+
+            loop.log({f"{loop.plugins.name_of(self)}/clip_fraction": fraction})
+        """
+        try:
+            return self.pm.get_name(plugin)
+        except (TypeError, ValueError):  # unhashable, or not registered
+            return None
+
     @contextlib.contextmanager
     def guard(self, loop):
         """Call ``on_exception`` for anything that escapes the block, and name
@@ -296,11 +308,13 @@ def _trylast_ordered(impls, order):
 
 
 def plugin_name(plugin) -> str:
-    """A plugin's name: its ``name`` attribute, else its class (or module) name."""
+    """A plugin's name: its ``name`` attribute, else its class (or module) name.
+    A class given instead of an instance is named after itself (``GradClip``,
+    not ``type``), so that the error refusing it names it."""
     name = getattr(plugin, "name", None)
     if isinstance(name, str) and name:
         return name
-    if inspect.ismodule(plugin):
+    if inspect.ismodule(plugin) or inspect.isclass(plugin):
         return plugin.__name__
     return type(plugin).__name__
 
@@ -344,6 +358,14 @@ def resolve_named(item, installed, builtins):
     ``("logger", {"name": "fast", "every": 2})``: the option ``name`` names
     the instance (and is passed on only to a class that takes ``name``)."""
     name, options = (item, None) if isinstance(item, str) else item
+    if inspect.isclass(name):  # (GradClip, {...}): the class, named as itself
+        cls = name.__qualname__
+        args = (", ".join(f"{k}={v!r}" for k, v in options.items())
+                if isinstance(options, Mapping) and all(isinstance(k, str) for k in options) else "...")
+        raise PluginValidationError(
+            item, f"plugin given as ({cls}, {options!r}): a (name, options) pair takes the "
+                  f"plugin's name, not its class: pass the instance {cls}({args})"
+        )
     if not isinstance(name, str) or (options is not None and not isinstance(options, Mapping)):
         raise PluginValidationError(
             item, f"plugin given as {item!r}: expected 'name' or ('name', {{options}})"

@@ -3,6 +3,7 @@ networks are given, and how they are prepared with the accelerator."""
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -64,8 +65,13 @@ class Network:
 
 def networks_from(model, optimizer, scheduler, networks, strategy) -> dict[str, Network]:
     """``Loop(model=, optimizer=, scheduler=)`` or ``Loop(networks={...})`` as
-    ``{name: Network}``, checked: every model a ``torch.nn.Module``, every
-    network the strategy trains with an optimizer."""
+    ``{name: Network}``, checked before anything is prepared: every model a
+    ``torch.nn.Module``, every network the strategy trains with an optimizer,
+    no optimizer or scheduler shared by two networks, no class given where an
+    instance belongs."""
+    if inspect.isclass(strategy):
+        raise TypeError(f"strategy= is the class {_class_name(strategy)}, not a strategy: "
+                        f"pass strategy={strategy.__qualname__}(...)")
     if networks is not None:
         if model is not None or optimizer is not None or scheduler is not None:
             raise ValueError("pass either model=/optimizer=/scheduler= or networks=, not both")
@@ -74,8 +80,10 @@ def networks_from(model, optimizer, scheduler, networks, strategy) -> dict[str, 
         out = {}
         for name, network in networks.items():
             if not isinstance(network, Network):
+                what = (f"the class {_class_name(network)}, not an instance" if inspect.isclass(network)
+                        else f"a {type(network).__name__}")
                 raise TypeError(
-                    f"networks[{name!r}] is a {type(network).__name__}: wrap it as "
+                    f"networks[{name!r}] is {what}: wrap it as "
                     f"Network(model, optimizer, scheduler=None)"
                 )
             network.name = name
@@ -83,19 +91,59 @@ def networks_from(model, optimizer, scheduler, networks, strategy) -> dict[str, 
     else:
         if model is None:
             raise ValueError("Loop needs model=... (one network) or networks={...}")
+        for what, obj, fix in (("model", model, "(...)"), ("optimizer", optimizer, "(model.parameters(), ...)"),
+                               ("scheduler", scheduler, "(optimizer, ...)")):
+            if inspect.isclass(obj):  # before Network(...), which would fail on it obscurely
+                raise TypeError(f"{what}= is the class {_class_name(obj)}, not an instance: "
+                                f"pass {what}={obj.__qualname__}{fix}")
         out = {"model": Network(model, optimizer, scheduler, name="model")}
     for name, network in out.items():
+        for what in ("optimizer", "scheduler"):
+            obj = getattr(network, what)
+            if inspect.isclass(obj):
+                raise TypeError(f"network {name!r}: {what} is the class {_class_name(obj)}, not an "
+                                f"instance: pass {obj.__qualname__}(...)")
         if not isinstance(network.model, torch.nn.Module):
-            raise TypeError(
-                f"network {name!r}: model is a {type(network.model).__name__}, "
-                "not a torch.nn.Module"
-            )
+            what = (f"the class {_class_name(network.model)}, not an instance" if inspect.isclass(network.model)
+                    else f"a {type(network.model).__name__}, not a torch.nn.Module")
+            raise TypeError(f"network {name!r}: model is {what}")
         if network.optimizer is None and name not in getattr(strategy, "frozen_networks", ()):
             raise ValueError(
                 f"network {name!r} has no optimizer, and the strategy {strategy.name!r} trains "
                 "it (only a strategy's frozen_networks may have none)"
             )
+    _refuse_shared(out)
     return out
+
+
+def _class_name(cls) -> str:
+    module = getattr(cls, "__module__", None)
+    return cls.__qualname__ if module in (None, "builtins", "__main__") else f"{module}.{cls.__qualname__}"
+
+
+def _refuse_shared(networks: Mapping[str, Network]) -> None:
+    """One optimizer (or scheduler) in two networks would be stepped once per
+    network, twice per batch: refuse it, saying how several modules share
+    one optimizer (one Network whose model holds them)."""
+    for what in ("optimizer", "scheduler"):
+        owner: dict[int, str] = {}
+        for name, network in networks.items():
+            obj = getattr(network, what)
+            if obj is None:
+                continue
+            first = owner.setdefault(id(obj), name)
+            if first == name:
+                continue
+            raise ValueError(
+                f"networks {first!r} and {name!r} are given the same {what} "
+                f"({type(obj).__name__}): the loop steps every network's {what} once per "
+                f"update, so this one would step twice. Give each network its own {what}, or "
+                "put the modules that share it in one Network: Network(Parts({"
+                f"{first!r}: ..., {name!r}: ...}}), optimizer), with Parts a "
+                "torch.nn.ModuleDict whose forward(part, *args) returns self[part](*args), "
+                "and run them as network.model(part, x) (docs/plugins.md, "
+                "\"Several modules, one optimizer\")"
+            )
 
 
 def prepare(accelerator, networks: Mapping[str, Network], frozen, train_data, eval_data):

@@ -64,12 +64,27 @@ class HookRelay:
         setattr(self, name, caller)
         return caller
 
+    def named(self, name):
+        """A caller of the broadcast hook ``name`` that returns ``[(plugin
+        name, result), ...]`` (non-None results, in call order), to say which
+        plugin returned what; None when pluggy's own caller runs the hook
+        (wrappers, monitoring): then only its results are known."""
+        cache = self.__dict__.setdefault("_named", {})
+        if name not in cache:
+            caller = getattr(self._pm.hook, name)
+            impls = caller.get_hookimpls()
+            plain = (calls_directly(self._pm) and not any(i.wrapper or i.hookwrapper for i in impls)
+                     and not varnames(getattr(hookspecs, name))[1])
+            cache[name] = (_direct_caller(name, impls, False, named=True) if plain and impls
+                           else (lambda **kwargs: []) if not impls else None)
+        return cache[name]
 
-def _direct_caller(name, impls, firstresult):
+
+def _direct_caller(name, impls, firstresult, named=False):
     """``f(**kwargs)`` calling ``impls`` as pluggy does: last registered first
     (``impls`` is in pluggy's order), each with the arguments it names;
     firstresult hooks stop at the first non-None result, the others return
-    the list of non-None results."""
+    the list of non-None results (``named``: of ``(plugin name, result)``)."""
     spec_args = _spec_args(name)
     namespace = {}
     # keyword-only, as pluggy's callers are; extra keywords ignored, as pluggy does
@@ -82,7 +97,8 @@ def _direct_caller(name, impls, firstresult):
         args = [*impl.argnames, *(f"{a}={a}" for a in impl.kwargnames if a in spec_args)]
         lines.append(f"    result = impl{i}({', '.join(args)})")
         lines.append("    if result is not None:")
-        lines.append("        return result" if firstresult else "        results.append(result)")
+        found = f"({impl.plugin_name!r}, result)" if named else "result"
+        lines.append("        return result" if firstresult else f"        results.append({found})")
     lines.append("    return None" if firstresult else "    return results")
     exec(compile("\n".join(lines), f"<hookloop hook {name}>", "exec"), namespace)  # noqa: S102
     return namespace[name]

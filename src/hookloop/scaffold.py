@@ -92,12 +92,13 @@ __version__ = "0.1.0"
 
 
 class {cls}:
-    """Record the training loss every ``every`` steps.
+    """Record the training loss every ``every`` optimizer updates.
 
-    :param every: steps between two records (reading a loss waits for the
+    :param every: updates between two records (reading a loss waits for the
         GPU, so not every step).
 
-    ``self.losses`` holds ``(global_step, loss)`` pairs.
+    ``self.losses`` holds ``(global_step, loss)`` pairs: the loss of the
+    batch that completed the update.
     """
 
     #: the name users give in plugins=[...], also the entry point's name
@@ -117,7 +118,14 @@ class {cls}:
     @hookimpl
     def after_step(self, loop, loss):
         """Called after every trained batch (see ``hookloop hooks``): a hook
-        implementation takes only the hook arguments it needs, by name."""
+        implementation takes only the hook arguments it needs, by name.
+
+        Under gradient accumulation (``Accelerator(gradient_accumulation_steps=k)``)
+        ``global_step`` counts updates, so it stays the same for the ``k``
+        batches of a group: act only on the batch that completed an update
+        (``sync_gradients``), or "every N steps" fires ``k`` times."""
+        if not loop.accelerator.sync_gradients:
+            return
         step = loop.state.global_step
         if step % self.every == 0:
             self.losses.append((step, loss.item()))
@@ -140,6 +148,19 @@ def test_records_the_loss_every_n_steps(tiny_loop, hookloop_recorder):
     # the losses are those the loop passed to after_step at those steps
     seen = [call["loss"].item() for call in hookloop_recorder.calls_of("after_step")]
     assert [loss for _, loss in plugin.losses] == seen[1::2]
+
+
+def test_counts_updates_under_gradient_accumulation(tiny_loop, hookloop_recorder):
+    """With 2 batches per update, global_step stays the same for both batches
+    of a group: the plugin acts once per update, on the batch that completed it."""
+    from accelerate import Accelerator
+
+    plugin = {cls}(every=2)
+    loop = tiny_loop([plugin, hookloop_recorder], accelerator=Accelerator(gradient_accumulation_steps=2))
+    loop.fit(epochs=1)  # 8 batches: 4 updates
+    assert [step for step, _ in plugin.losses] == [2, 4]
+    seen = [call["loss"].item() for call in hookloop_recorder.calls_of("after_step")]
+    assert [loss for _, loss in plugin.losses] == [seen[3], seen[7]]
 
 
 def test_installed_it_acts_only_when_named(monkeypatch, fresh_accelerator):

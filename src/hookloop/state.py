@@ -130,7 +130,8 @@ class LoopState:
     epoch_end_reason: str | None = None
     #: what the loop is doing: ``"train"``, ``"eval"`` (an evaluation, at an
     #: epoch end, every ``eval_every`` updates or from :meth:`Loop.evaluate`),
-    #: ``"sanity_check"`` (the one eval batch run before training), ``"predict"``,
+    #: ``"sanity"`` (the sanity check: an evaluation of one batch before training),
+    #: ``"predict"``,
     #: or ``None`` outside ``fit`` / ``evaluate`` / ``predict``
     stage: str | None = None
 

@@ -26,8 +26,9 @@ class Score:
         self.params = {}
 
     @hookimpl
-    def on_eval_end(self, metrics):
-        metrics["score"] = self.values.pop(0)
+    def on_eval_end(self, loop, metrics):
+        # (the sanity check's evaluation has a score too, and consumes none)
+        metrics["score"] = self.values[0] if loop.state.stage == "sanity" else self.values.pop(0)
 
     @hookimpl
     def on_epoch_end(self, loop):
@@ -99,8 +100,16 @@ def test_monitoring_train_loss_logged_on_epoch_without_eval_data(tmp_path):
 
 def test_a_monitor_missing_from_the_metrics_is_named(tmp_path):
     checkpoint = Checkpoint(dir=tmp_path, monitor="val_acc", signals=None)
-    with pytest.raises(KeyError, match=r"monitors 'val_acc', but the epoch's metrics are \['eval_accuracy', 'eval_loss'\]"):
-        tiny_loop([checkpoint], eval_data=True).fit(epochs=1)
+    loop = tiny_loop([checkpoint], eval_data=True)
+    with pytest.raises(KeyError, match=r"monitors 'val_acc', but the evaluation's metrics are "
+                                       r"\['eval_accuracy', 'eval_loss'\]"):
+        loop.fit(epochs=1)
+    assert loop.state.global_step == 0  # by the sanity check, before any training
+    # without the sanity check: at the epoch's end, as before
+    loop = tiny_loop([Checkpoint(dir=tmp_path / "b", monitor="val_acc", signals=None)], eval_data=True)
+    with pytest.raises(KeyError, match=r"monitors 'val_acc', but the epoch's metrics are "
+                                       r"\['eval_accuracy', 'eval_loss'\]"):
+        loop.fit(epochs=1, sanity_check=False)
 
 
 def test_load_checkpoint_best_needs_a_monitor(tmp_path):

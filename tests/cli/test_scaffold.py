@@ -3,6 +3,7 @@ output installs and its tests pass is shown in a real virtual environment by
 tests/test_plugin_distributions.py."""
 
 import importlib
+import importlib.util
 import sys
 
 import pytest
@@ -66,6 +67,58 @@ def test_the_distribution_declares_the_entry_point_and_the_module_is_a_valid_plu
     assert "tiny_loop" in test_source and "hookloop_recorder" in test_source
 
 
+def _import_generated(root):
+    """The generated plugin module and its test module, imported fresh."""
+    for name in ("hookloop_demo_thing", "test_demo_thing"):
+        sys.modules.pop(name, None)
+    module = importlib.import_module("hookloop_demo_thing")
+    spec = importlib.util.spec_from_file_location("test_demo_thing", root / "tests" / "test_demo_thing.py")
+    tests = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tests)
+    return module, tests
+
+
+def test_the_generated_plugin_acts_once_per_update_under_accumulation_and_its_test_checks_it(tmp_path):
+    """Under Accelerator(gradient_accumulation_steps=2) global_step stays the
+    same for both batches of a group: the generated after_step acts only
+    where loop.accelerator.sync_gradients is true, and the generated test
+    fails for a plugin that does not check it (the pattern the guide warns
+    against: "every N steps" firing twice per update)."""
+    from accelerate import Accelerator
+
+    from hookloop.testing import HookRecorder, reset_accelerate
+
+    root = write("demo-thing", tmp_path)
+    source_path = root / "src" / "hookloop_demo_thing" / "__init__.py"
+    source = source_path.read_text()
+    assert "if not loop.accelerator.sync_gradients:\n            return\n" in source
+    sys.path.insert(0, str(root / "src"))
+    try:
+        module, tests = _import_generated(root)
+        reset_accelerate()
+        plugin = module.DemoThing(every=2)
+        tiny_loop([plugin], accelerator=Accelerator(gradient_accumulation_steps=2)).fit(epochs=1)
+        assert [step for step, _ in plugin.losses] == [2, 4]  # 8 batches, 4 updates
+
+        reset_accelerate()
+        tests.test_counts_updates_under_gradient_accumulation(tiny_loop=tiny_loop,
+                                                              hookloop_recorder=HookRecorder())
+
+        # the template without the check (hookloop 0.2's): the generated test catches it
+        source_path.write_text(source.replace(
+            "        if not loop.accelerator.sync_gradients:\n            return\n", ""))
+        module, tests = _import_generated(root)
+        reset_accelerate()
+        with pytest.raises(AssertionError):
+            tests.test_counts_updates_under_gradient_accumulation(tiny_loop=tiny_loop,
+                                                                  hookloop_recorder=HookRecorder())
+    finally:
+        sys.path.remove(str(root / "src"))
+        for name in ("hookloop_demo_thing", "test_demo_thing"):
+            sys.modules.pop(name, None)
+        reset_accelerate()
+
+
 def test_the_command_writes_refuses_to_overwrite_and_rejects_bad_names(tmp_path, capsys):
     assert main(["new-plugin", "demo-thing", "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -123,7 +176,7 @@ def test_the_generated_test_fails_when_the_plugin_autoloads(tmp_path):
     _install_without_pip(root, tmp_path / "site")
     passed = _run_generated_tests(root, tmp_path / "site")
     assert passed.returncode == 0, passed.stdout + passed.stderr
-    assert "2 passed" in passed.stdout
+    assert "3 passed" in passed.stdout
 
     module = root / "src" / "hookloop_demo_thing" / "__init__.py"
     source = module.read_text()
@@ -131,6 +184,6 @@ def test_the_generated_test_fails_when_the_plugin_autoloads(tmp_path):
     module.write_text(source.replace("    autoload = False\n", "    autoload = True\n"))
     failed = _run_generated_tests(root, tmp_path / "site")
     assert failed.returncode == 1, failed.stdout + failed.stderr
-    assert "1 failed, 1 passed" in failed.stdout
+    assert "1 failed, 2 passed" in failed.stdout
     assert "test_installed_it_acts_only_when_named" in failed.stdout
     assert "the plugin loads without being named" in failed.stdout

@@ -109,11 +109,33 @@ def test_the_guide_s_metric_plugin_runs():
     body = text.split("\n## When hooks run\n", 1)[1].split("\n## ", 1)[0]
     (code,) = re.findall(r"```python\n(.*?)```", body, flags=re.S)
     namespace = {}
+    code = code.replace("seen = ExamplesSeen()", "seen = ExamplesSeen()\nseen = counted(seen)")
+    namespace["counted"] = _counting
     exec(compile("import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n"
                  "from hookloop import Loop, hookimpl\n" + code, "docs/plugins.md:metric", "exec"),
          namespace)
     assert 0.0 <= namespace["metrics"]["eval_top2"] <= 1.0
     assert namespace["metrics"]["eval_top2"] >= namespace["metrics"]["eval_accuracy"]
+    # the accumulating plugin, as written: every example once in every evaluation
+    assert _COUNTS == [("sanity", 16), ("eval", 64)]
+
+
+_COUNTS = []
+
+
+def _counting(plugin):
+    """The guide's plugin, with a note of each evaluation's count."""
+    from hookloop import hookimpl
+
+    end = type(plugin).on_eval_end
+
+    class Counted(type(plugin)):
+        @hookimpl
+        def on_eval_end(self, loop, metrics):
+            end(self, loop, metrics)
+            _COUNTS.append((loop.state.stage, metrics["eval_examples"]))
+
+    return Counted()
 
 
 # -- "Writing a strategy": built from the kit, in Lightning's order ------------------

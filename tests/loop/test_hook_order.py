@@ -38,8 +38,10 @@ def test_one_epoch_of_two_steps_calls_hooks_in_this_order():
     assert recorder.names() == [
         "on_loop_start",  # in Loop(...)
         "on_fit_start",
-        "eval_step",  # the sanity check: one eval batch before training
+        "on_eval_start",  # the sanity check: an evaluation of one batch before training
+        "eval_step",
         "after_eval_step",
+        "on_eval_end",
         "on_epoch_start",
         *PER_STEP,
         "on_safe_point",  # after an update: a checkpoint here resumes exactly

@@ -3,6 +3,7 @@ when asked and on what is asked, exceptions keep their type, accumulation
 read when fit starts."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -70,8 +71,8 @@ def test_max_steps_mid_epoch_evaluates_at_the_epoch_end_and_at_the_stop(tiny_loo
 
     loop = tiny_loop([recorder, At()], eval_data=True)  # 8 batches an epoch
     metrics = loop.fit(max_steps=12)
-    assert steps_at_eval == [8, 12]
-    assert recorder.names() == ["on_train_epoch_end", "on_eval_end", "on_epoch_end"] * 2
+    assert steps_at_eval == [0, 8, 12]  # the sanity check, the epoch end, the stop
+    assert recorder.names() == ["on_eval_end", *["on_train_epoch_end", "on_eval_end", "on_epoch_end"] * 2]
     assert [c["epoch"] for c in recorder.calls_of("on_epoch_end")] == [0, 1]
     assert metrics == recorder.calls_of("on_epoch_end")[-1]["metrics"] != {}  # the stop's evaluation
     assert (loop.state.epoch, loop.state.step_in_epoch) == (1, 4)  # still mid-epoch
@@ -112,7 +113,7 @@ def test_a_stop_waits_for_the_end_of_the_accumulation_group(tiny_loop):
 
 def test_on_train_epoch_end_runs_between_the_last_batch_and_the_evaluation(tiny_loop):
     recorder = HookRecorder(hooks=["after_step", "on_train_epoch_end", "on_eval_start", "on_epoch_end"])
-    tiny_loop([recorder], n=16, eval_data=True).fit(epochs=1)
+    tiny_loop([recorder], n=16, eval_data=True).fit(epochs=1, sanity_check=False)
     assert recorder.names() == ["after_step", "after_step", "on_train_epoch_end", "on_eval_start",
                                 "on_epoch_end"]
 
@@ -126,7 +127,8 @@ def test_eval_every_evaluates_every_n_updates_without_the_epoch_hooks(tiny_loop)
     class At:
         @hookimpl
         def on_eval_end(self, loop):
-            at.append((loop.state.global_step, loop.state.step_in_epoch))
+            if loop.state.stage == "eval":  # not the sanity check
+                at.append((loop.state.global_step, loop.state.step_in_epoch))
 
     recorder = HookRecorder(hooks=["on_epoch_end"])
     loop = tiny_loop([At(), recorder], eval_data=True)
@@ -149,7 +151,7 @@ def test_eval_every_counts_updates_and_changes_nothing_in_training(tiny_loop):
 
     evaluated = tiny_loop([At()], eval_data=True, accelerator=Accelerator(gradient_accumulation_steps=2))
     evaluated.fit(epochs=2, eval_every=3)
-    assert at == [(3, 6), (4, 8), (6, 12), (8, 16)]
+    assert at == [(0, 0), (3, 6), (4, 8), (6, 12), (8, 16)]  # (0, 0): the sanity check
     assert all(torch.equal(a, b) for a, b in zip(parameters(plain), parameters(evaluated)))
 
 
@@ -215,8 +217,9 @@ def test_a_causal_language_model_given_labels_evaluates_out_of_the_box():
     model.eval()
     with torch.no_grad():
         expected = sum(model(input_ids=ids[i:i + 4], labels=ids[i:i + 4]).loss.item() for i in (0, 4, 8)) / 3
-    assert set(metrics) == {"eval_loss"}
+    assert set(metrics) == {"eval_loss", "perplexity"}
     assert metrics["eval_loss"] == pytest.approx(expected, rel=1e-5)
+    assert metrics["perplexity"] == pytest.approx(math.exp(expected), rel=1e-5)  # run_clm_no_trainer's
 
 
 def test_the_sanity_check_fails_a_wrong_eval_set_before_any_training(tiny_loop):
@@ -233,13 +236,23 @@ def test_the_sanity_check_fails_a_wrong_eval_set_before_any_training(tiny_loop):
     assert recorder.names() == ["training_step"] * 8
 
 
-def test_the_sanity_check_changes_nothing_and_calls_no_eval_start(tiny_loop):
+def test_the_sanity_check_is_a_whole_evaluation_of_one_batch_and_changes_nothing(tiny_loop):
     plain = tiny_loop(eval_data=True)
     plain.fit(epochs=1, sanity_check=False)
-    recorder = HookRecorder(hooks=["on_eval_start", "eval_step", "after_eval_step", "on_eval_end"])
-    checked = tiny_loop([recorder], eval_data=True)
+    stages = []
+
+    class Stage:
+        @hookimpl
+        def on_eval_start(self, loop):
+            stages.append(loop.state.stage)
+
+    recorder = HookRecorder(hooks=["on_eval_start", "eval_step", "after_eval_step", "on_eval_end",
+                                   "on_epoch_start"])
+    checked = tiny_loop([recorder, Stage()], eval_data=True)
     checked.fit(epochs=1)
-    assert recorder.names()[:3] == ["eval_step", "after_eval_step", "on_eval_start"]
+    assert recorder.names()[:5] == ["on_eval_start", "eval_step", "after_eval_step", "on_eval_end",
+                                    "on_epoch_start"]
+    assert stages == ["sanity", "eval"]
     assert all(torch.equal(a, b) for a, b in zip(parameters(plain), parameters(checked)))
 
 

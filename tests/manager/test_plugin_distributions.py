@@ -251,7 +251,7 @@ def test_new_plugin_output_installs_and_its_tests_pass(plugin_venv, tmp_path, ca
     finally:
         plugin_venv.uninstall("hookloop-demo-thing")
     assert tests.returncode == 0, tests.stdout[-4000:]
-    assert "2 passed" in tests.stdout
+    assert "3 passed" in tests.stdout
 
 
 def test_each_plugin_s_own_tests_pass_once_installed(plugin_venv):

@@ -307,3 +307,119 @@ def test_a_name_the_user_gave_twice_says_where_in_the_plugins_list():
     message = str(info.value)
     assert "plugins[0]" in message and "plugins[1]" in message
     assert "both from built-in" not in message
+
+
+# -- a class given instead of an instance: named as itself, with the fix -----------------------
+
+
+class Unnamed:
+    """A plugin class without a ``name`` attribute: named after its class."""
+
+    @hookimpl
+    def after_step(self, loop):
+        pass
+
+
+def test_a_plugin_class_in_plugins_is_named_as_the_class_not_type():
+    with pytest.raises(PluginValidationError) as info:
+        tiny_loop([Unnamed])
+    message = str(info.value)
+    assert "'type'" not in message
+    assert message.startswith("plugin 'Unnamed' is the class ")
+    assert "Unnamed, not an instance: pass Unnamed(...) instead" in message
+
+
+def test_a_built_in_plugin_class_in_plugins_says_to_pass_an_instance():
+    with pytest.raises(PluginValidationError) as info:
+        tiny_loop([GradClip])
+    message = str(info.value)
+    assert "'type'" not in message
+    assert "hookloop.plugins.gradclip.GradClip, not an instance: pass GradClip(...) instead" in message
+
+
+def test_a_class_given_to_register_is_named_as_the_class():
+    from hookloop.manager import plugin_name
+    from hookloop.testing import registered
+
+    assert plugin_name(Unnamed) == "Unnamed" and plugin_name(Unnamed()) == "Unnamed"
+    loop = tiny_loop()
+    with pytest.raises(PluginValidationError) as info:
+        with registered(loop, Unnamed):
+            pass
+    message = str(info.value)
+    assert "'type'" not in message and message.startswith("plugin 'Unnamed' is the class ")
+    assert "pass Unnamed(...) instead" in message
+    assert "Unnamed" not in loop.plugins.names()
+
+
+def test_a_class_next_to_an_instance_of_it_is_named_and_refused():
+    with pytest.raises(PluginValidationError) as info:
+        tiny_loop([Unnamed(), Unnamed])
+    message = str(info.value)
+    assert "'type" not in message and "pass Unnamed(...) instead" in message
+
+
+def test_a_class_with_options_in_the_by_name_form_says_to_pass_the_instance():
+    with pytest.raises(PluginValidationError) as info:
+        tiny_loop([(GradClip, {"max_norm": 1.0})])
+    message = str(info.value)
+    assert "<class" not in message
+    assert message == ("plugin given as (GradClip, {'max_norm': 1.0}): a (name, options) pair takes "
+                       "the plugin's name, not its class: pass the instance GradClip(max_norm=1.0)")
+
+
+# -- changes_training: the guide's example, as the autoload rule and `hookloop plugins` read it ----
+
+
+def _guide_changes_training_block():
+    import re
+
+    from paths import ROOT
+
+    text = (ROOT / "docs" / "plugins.md").read_text()
+    body = text.split("\n## Switched on, or only installed\n", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", body, flags=re.S)
+    assert "changes_training" in body and "never autoloads" in body
+    return code
+
+
+def test_the_guide_s_changes_training_example_is_read_as_it_says():
+    from importlib import metadata
+
+    from hookloop.cli import CHANGES_TRAINING
+    from hookloop.discovery import Installed, autoload_decision, changes_training
+
+    namespace = {"hookimpl": hookimpl, "torch": torch}
+    exec(compile(_guide_changes_training_block(), "docs/plugins.md:changes_training", "exec"), namespace)
+    observer, changer = namespace["GradNormLogger"], namespace["LabelSmoothing"]
+    assert changes_training(observer) is False and changes_training(changer) is True
+    assert CHANGES_TRAINING[changes_training(observer)] == "no (an observer)"
+    assert CHANGES_TRAINING[changes_training(changer)] == "yes"
+
+    def installed(cls):
+        entry = metadata.EntryPoint(name="x", value=f"somewhere:{cls.__name__}", group="hookloop")
+        return Installed(name="x", entry_point=entry, distribution="hookloop-x", version="0.1", obj=cls)
+
+    import os
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {}, clear=False):
+        for variable in ("HOOKLOOP_DISABLE_PLUGIN_AUTOLOAD", "HOOKLOOP_LOAD_PLUGINS", "HOOKLOOP_BLOCK_PLUGINS"):
+            os.environ.pop(variable, None)
+        assert autoload_decision(installed(observer)) == (True, "observer: its author set autoload = True")
+        assert autoload_decision(installed(changer))[0] is False
+        changer.autoload = True  # even so: a plugin that changes training never autoloads
+        active, why = autoload_decision(installed(changer))
+        assert not active and "never autoloads" in why
+
+    # both are valid plugins; named, the loss plugin changes the numbers, the observer none
+    from hookloop.testing import parameters, reset_accelerate
+
+    runs = {}
+    for name, plugins in (("plain", []), ("observer", [observer()]), ("changer", [changer(0.2)])):
+        reset_accelerate()
+        loop = tiny_loop(plugins)
+        loop.fit(max_steps=3)
+        runs[name] = parameters(loop)
+    assert all(torch.equal(a, b) for a, b in zip(runs["plain"], runs["observer"]))
+    assert not all(torch.equal(a, b) for a, b in zip(runs["plain"], runs["changer"]))

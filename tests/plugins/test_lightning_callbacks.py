@@ -106,20 +106,21 @@ def test_lr_monitor_logs_each_param_group_at_every_update_under_lightnings_names
 
     monitor = LearningRateMonitor(log_momentum=True, log_weight_decay=True)
     two_group_loop([monitor, SeeRates()], jsonl(tmp_path)).fit(max_steps=3)
-    # at step N: the rate update N + 1 uses (Lightning's convention)
-    assert logged(tmp_path, "lr-SGD/pg1") == [(0, 0.1), (1, 0.05), (2, 0.025)]
-    assert logged(tmp_path, "lr-SGD/pg2") == [(0, 0.01), (1, 0.005), (2, 0.0025)]
+    # at step N: the rate update N uses (the update's own number, as every value
+    # logged while it trains; Lightning logs it at N - 1)
+    assert logged(tmp_path, "lr-SGD/pg1") == [(1, 0.1), (2, 0.05), (3, 0.025)]
+    assert logged(tmp_path, "lr-SGD/pg2") == [(1, 0.01), (2, 0.005), (3, 0.0025)]
     assert [v for _, v in logged(tmp_path, "lr-SGD/pg1")] == [u[0] for u in used]
-    assert logged(tmp_path, "lr-SGD/pg1-momentum") == [(0, 0.9), (1, 0.9), (2, 0.9)]
-    assert logged(tmp_path, "lr-SGD/pg2-weight_decay")[0] == (0, 1e-4)
+    assert logged(tmp_path, "lr-SGD/pg1-momentum") == [(1, 0.9), (2, 0.9), (3, 0.9)]
+    assert logged(tmp_path, "lr-SGD/pg2-weight_decay")[0] == (1, 1e-4)
     assert monitor.lrs == {"lr-SGD/pg1": [0.1, 0.05, 0.025], "lr-SGD/pg2": [0.01, 0.005, 0.0025]}
 
 
 def test_lr_monitor_names_groups_by_their_name_key_and_logs_every_n_or_per_epoch(tmp_path):
     two_group_loop([LearningRateMonitor(every=2, log_key_prefix="optim/")], jsonl(tmp_path),
                    names=("backbone", "head")).fit(max_steps=5)
-    assert [s for s, _ in logged(tmp_path, "optim/lr-SGD/backbone")] == [0, 2, 4]
-    assert logged(tmp_path, "optim/lr-SGD/head") == [(0, 0.01), (2, 0.0025), (4, 0.000625)]
+    assert [s for s, _ in logged(tmp_path, "optim/lr-SGD/backbone")] == [1, 3, 5]
+    assert logged(tmp_path, "optim/lr-SGD/head") == [(1, 0.01), (3, 0.0025), (5, 0.000625)]
 
     from hookloop.testing import reset_accelerate
 
@@ -133,16 +134,16 @@ def test_lr_monitor_names_groups_by_their_name_key_and_logs_every_n_or_per_epoch
 def test_lr_monitor_tells_two_optimizers_of_one_class_apart(tmp_path):
     loop = tiny_gan_loop([LearningRateMonitor()], accelerator=jsonl(tmp_path))
     loop.fit(max_steps=2)
-    assert [s for s, _ in logged(tmp_path, "lr-Adam")] == [0, 1]  # the generator, first network
-    assert [s for s, _ in logged(tmp_path, "lr-Adam-1")] == [0, 1]
+    assert [s for s, _ in logged(tmp_path, "lr-Adam")] == [1, 2]  # the generator, first network
+    assert [s for s, _ in logged(tmp_path, "lr-Adam-1")] == [1, 2]
 
     from hookloop.testing import reset_accelerate
 
     reset_accelerate()
     (tmp_path / "run.jsonl").unlink()
     tiny_gan_loop([LearningRateMonitor(name_by="network")], accelerator=jsonl(tmp_path)).fit(max_steps=1)
-    assert logged(tmp_path, "lr-generator") == [(0, 1e-3)]
-    assert logged(tmp_path, "lr-discriminator") == [(0, 1e-3)]
+    assert logged(tmp_path, "lr-generator") == [(1, 1e-3)]
+    assert logged(tmp_path, "lr-discriminator") == [(1, 1e-3)]
 
 
 def test_lr_monitor_without_a_tracker_warns_and_keeps_the_rates(tiny_loop):

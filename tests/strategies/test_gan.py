@@ -106,6 +106,48 @@ def test_check_networks_names_what_is_missing(names, message):
         Loop(networks={n: net() for n in names}, strategy=GAN(latent_dim=2), train_data=[torch.zeros(2)])
 
 
+@pytest.mark.parametrize("data, given, fix", [
+    (ring(64).float(), "a tensor of shape (64, 2): the GAN strategy would iterate its rows one by one",
+     "Pass DataLoader(TensorDataset(tensor), batch_size=..., shuffle=True)"),
+    (TensorDataset(ring(64)), "a TensorDataset of 64 examples: the GAN strategy would iterate its examples",
+     "Pass DataLoader(dataset, batch_size=..., shuffle=True)"),
+])
+def test_a_tensor_or_a_dataset_as_train_data_is_refused_at_loop_naming_dataloader(data, given, fix):
+    """Iterated as they are, they give one sample per step (64 updates an epoch for a
+    (64, 2) tensor, each without a batch dimension): refused before anything runs."""
+    class Counter:
+        def __init__(self):
+            self.steps = 0
+
+        @hookimpl
+        def after_step(self):
+            self.steps += 1
+
+    counter = Counter()
+    with pytest.raises(TypeError) as info:
+        gan_loop([counter], data=data).fit(epochs=1)
+    message = str(info.value)
+    assert message.startswith(f"train_data is {given}") and fix in message, message
+    assert "DataLoader" in message and counter.steps == 0
+
+
+def test_a_tensor_put_in_place_of_the_train_data_after_loop_is_refused_by_fit():
+    loop = gan_loop()
+    loop.train_data = ring(64)
+    with pytest.raises(TypeError, match="train_data is a tensor of shape \\(64, 2\\)"):
+        loop.fit(epochs=1)
+    assert loop.state.global_step == 0
+
+
+def test_the_same_tensor_in_a_dataloader_trains_in_batches():
+    recorder = HookRecorder(hooks=["after_step"])
+    loop = gan_loop([recorder], data=DataLoader(TensorDataset(ring(64)), batch_size=16, shuffle=True))
+    loop.fit(epochs=1)
+    assert recorder.count("after_step") == 4 == loop.state.global_step
+    assert all(c["outputs"]["discriminator"]["real_samples"].shape == (16, 2)
+               for c in recorder.calls_of("after_step"))
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [({"latent_dim": 0}, "latent_dim"), ({"latent_dim": 4, "n_critic": 0}, "n_critic"),

@@ -103,9 +103,11 @@ def test_on_real_evaluation_metrics(tiny_loop, hookloop_recorder):
 
 def test_a_missing_metric_is_named(tiny_loop):
     loop = tiny_loop([EarlyStopping(monitor="eval_acc")], eval_data=True)
-    with pytest.raises(KeyError, match=r"monitors 'eval_acc', but the epoch-end metrics are "
+    # by the sanity check, before any training
+    with pytest.raises(KeyError, match=r"monitors 'eval_acc', but the evaluation's metrics are "
                                         r"\['eval_accuracy', 'eval_loss'\]"):
         loop.fit(epochs=1)
+    assert loop.state.global_step == 0
     loop = tiny_loop([EarlyStopping()])
     with pytest.raises(KeyError, match=r"empty \(is eval_data set\?\)"):
         loop.fit(epochs=1)

@@ -40,7 +40,8 @@ class EvalWeights:
 
     @hookimpl
     def on_eval_start(self, loop):
-        self.seen.append(parameters(loop))
+        if loop.state.stage != "sanity":  # the sanity check runs before any average exists
+            self.seen.append(parameters(loop))
 
 
 def hand_average(snapshots, decay, start=None):

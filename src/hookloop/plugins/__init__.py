@@ -18,6 +18,7 @@ from .lr_monitor import LearningRateMonitor
 from .model_summary import ModelSummary
 from .throughput import ThroughputMonitor
 from .timer import Timer
+from .train_loss import TrainLoss
 from ..adapters.transformers import TrainerCallbacks  # imports transformers only when created
 
 BUILTINS = {
@@ -35,9 +36,10 @@ BUILTINS = {
     "model-summary": ModelSummary,
     "throughput": ThroughputMonitor,
     "timer": Timer,
+    "train-loss": TrainLoss,
     "trainer-callbacks": TrainerCallbacks,
 }
 
 __all__ = ["BUILTINS", "Checkpoint", "FiniteCheck", "NonFiniteLoss", "DefaultLoss", "DefaultMetrics", "GradClip", "Logger", "ProgressBar", "SampleGrid"]
 __all__ += ["GradientAccumulationScheduler", "LambdaCallback", "LearningRateMonitor", "ModelSummary",
-            "ThroughputMonitor", "Timer"]
+            "ThroughputMonitor", "Timer", "TrainLoss"]

@@ -248,14 +248,14 @@ class Checkpoint(CheckpointPolicy):
 
     @hookimpl(trylast=True)  # after the plugins that add metrics
     def on_eval_end(self, loop, metrics):
-        if self.monitor is None or not self._ready or loop.state.stage != "eval" or self._epoch_ending:
+        if self.monitor is None:
+            return
+        if loop.state.stage == "sanity":  # fails in seconds, not after an epoch
+            _check_monitor("Checkpoint", self.monitor, metrics)
+            return
+        if not self._ready or loop.state.stage != "eval" or self._epoch_ending:
             return  # (the epoch's evaluation: its metrics reach on_epoch_end)
-        if self.monitor not in metrics:
-            raise KeyError(
-                f"Checkpoint monitors {self.monitor!r}, but the evaluation's metrics are "
-                f"{sorted(metrics) or 'empty'}; pass monitor=... with one of them (a training "
-                "value: log it with loop.log(..., on_epoch=True))"
-            )
+        _check_monitor("Checkpoint", self.monitor, metrics, training=False)
         # saved with the value at this update's safe point, once the
         # evaluation has put the random states back
         self._candidate = float(metrics[self.monitor])
@@ -487,6 +487,21 @@ class Checkpoint(CheckpointPolicy):
         held, self._lock = self._lock, None
         if held is not None:
             held.release(owner=self)
+
+
+def _check_monitor(who: str, monitor: str, metrics, training: bool = True) -> None:
+    """A monitored metric that the evaluation does not have: an error naming
+    the metrics it has. ``training``: a name that starts with ``train`` is a
+    value logged during training (``loop.log(..., on_epoch=True)``), known
+    only at the epoch's end, and passes."""
+    if monitor in metrics or (training and monitor.startswith("train")):
+        return
+    raise KeyError(
+        f"{who} monitors {monitor!r}, but the evaluation's metrics are "
+        f"{sorted(metrics) or 'empty'}; pass monitor=... with one of them (a value logged during "
+        "training with loop.log(..., on_epoch=True) is known at the epoch's end: name it "
+        "train_<something>)"
+    )
 
 
 def _check_foreign(loop, root):

@@ -34,10 +34,10 @@ UNSUPPORTED = {
                           "methods: write a small class",
     "on_load_checkpoint": "plugin state goes in checkpoints through state_dict() / load_state_dict(state) "
                           "methods: write a small class",
-    "on_sanity_check_start": "the sanity check runs eval_step and after_eval_step "
-                             "(loop.state.stage == 'sanity_check') and has no hooks of its own",
-    "on_sanity_check_end": "the sanity check runs eval_step and after_eval_step "
-                           "(loop.state.stage == 'sanity_check') and has no hooks of its own",
+    "on_sanity_check_start": "the sanity check is an evaluation: on_eval_start with "
+                             "loop.state.stage == 'sanity'",
+    "on_sanity_check_end": "the sanity check is an evaluation: on_eval_end with "
+                           "loop.state.stage == 'sanity'",
     "on_validation_batch_start": "use after_eval_step, or a wrapper on eval_step",
     "on_predict_start": "loop.predict(data) calls only eval_step (loop.state.stage == 'predict')",
     "on_predict_end": "loop.predict(data) returns every output: act on its result",

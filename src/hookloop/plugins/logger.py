@@ -23,7 +23,9 @@ class Logger:
     norm a clipping plugin measured (``float()``).
     ``project_name`` and ``config`` are what the trackers are started with
     (``accelerator.init_trackers``); the loop finishes them when the fit ends.
-    Several loggers may run side by side (``logger``, ``logger-2``).
+    Several loggers may run side by side (``logger``, ``logger-2``): an
+    instance not named ``logger`` writes its keys under its name
+    (``logger-2/loss``, ``fast/lr``), so that two never write one key.
     """
 
     name = "logger"
@@ -36,10 +38,13 @@ class Logger:
         self.console = console
         self.project_name = project_name
         self.config = config
+        self._prefix = ""
 
     @hookimpl(tryfirst=True)  # before any plugin logs: the trackers get this project name
     def on_fit_start(self, loop):
         loop.start_trackers(self.project_name, config=self.config)
+        name = loop.plugins.name_of(self)
+        self._prefix = "" if name in (None, "logger") else f"{name}/"
 
     @hookimpl
     def after_step(self, loop, loss):
@@ -62,7 +67,7 @@ class Logger:
                     values["lr" + suffix + (f"/group{i}" if i else "")] = group["lr"]
             if network.grad_norm is not None:
                 values["grad_norm" + suffix] = float(network.grad_norm)
-        loop.log(values)
+        loop.log({self._prefix + k: v for k, v in values.items()})
         if self.console:
             loop.print(f"step {step} " + " ".join(f"{k} {_fmt(v)}" for k, v in values.items()))
 
@@ -70,7 +75,7 @@ class Logger:
     def on_epoch_end(self, loop, epoch, metrics):
         if not metrics:
             return
-        loop.log({**metrics, "epoch": epoch})
+        loop.log({self._prefix + k: v for k, v in {**metrics, "epoch": epoch}.items()})
         if self.console:
             loop.print(f"epoch {epoch} " + " ".join(f"{k} {_fmt(v)}" for k, v in metrics.items()))
 

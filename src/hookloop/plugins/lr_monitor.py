@@ -21,7 +21,8 @@ class LearningRateMonitor:
 
     ``logging_interval="step"`` logs at every ``every``-th optimizer update
     of each network, just before it is made (``before_optimizer_step``): at
-    ``step=N`` the rate that update ``N + 1`` uses, as Lightning logs it.
+    ``step=N`` the rate that update ``N`` uses (hookloop logs every value of
+    an update at its number, counted from 1; Lightning logs it at ``N - 1``).
     ``"epoch"`` logs once at every epoch start. ``None`` is ``"step"``
     (hookloop steps every scheduler at every update).
 

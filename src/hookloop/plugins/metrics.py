@@ -1,4 +1,7 @@
-"""The default evaluation metrics: loss and accuracy, per example."""
+"""The default evaluation metrics: loss and accuracy, per example (and the
+perplexity of a model that computes its own loss)."""
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +20,8 @@ class DefaultMetrics:
     - Otherwise, when the model computed a loss itself (a causal language
       model given ``labels`` shifts them inside): ``eval_loss`` is that loss,
       counted once per example of the batch, as the Hugging Face Trainer
-      counts it.
+      counts it, and ``perplexity`` is ``exp(eval_loss)`` (as
+      ``run_clm_no_trainer.py`` reports it; ``inf`` when it overflows).
     - Otherwise targets of shape ``logits.shape[:-1]`` (one per position):
       cross-entropy and accuracy per example, averaged over its positions
       (targets ``-100`` ignored, as Hugging Face models do).
@@ -29,6 +33,21 @@ class DefaultMetrics:
     name = "metrics"
     changes_training = False
 
+    def __init__(self):
+        self._own_loss = False  # this evaluation used the model's own loss
+
+    @hookimpl
+    def on_eval_start(self):
+        self._own_loss = False
+
+    @hookimpl(trylast=True)
+    def on_eval_end(self, metrics):
+        if self._own_loss and "eval_loss" in metrics:
+            try:
+                metrics["perplexity"] = math.exp(metrics["eval_loss"])
+            except OverflowError:
+                metrics["perplexity"] = float("inf")
+
     @hookimpl(trylast=True)
     def after_eval_step(self, loop, batch, outputs):
         gather = loop.accelerator.gather_for_metrics
@@ -39,6 +58,7 @@ class DefaultMetrics:
             return dict(zip(("eval_loss", "eval_accuracy"), gather(_per_example(logits, targets))))
         loss = loss_of(outputs)
         if loss is not None:  # the model's own loss: it knows how its labels line up
+            self._own_loss = True
             n = _batch_size(batch, targets, logits)
             return {"eval_loss": gather(loss.detach().float().reshape(1).repeat(n))}
         if fit:  # one target per position (token classification), no loss from the model

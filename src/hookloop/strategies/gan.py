@@ -5,10 +5,13 @@
     loop = Loop(
         networks={"generator": Network(G, opt_g), "discriminator": Network(D, opt_d)},
         strategy=GAN(latent_dim=64),
-        train_data=real_images,
+        train_data=DataLoader(TensorDataset(real_images), batch_size=64, shuffle=True),
         plugins=[GradClip(max_norm=1.0)],
     )
     loop.fit(epochs=20)
+
+``train_data`` gives batches (a ``DataLoader``): a tensor or a dataset given
+as it is would be iterated one sample at a time, so ``Loop(...)`` refuses it.
 
 One batch, in order (the pattern that keeps several processes in step, see
 ACCELERATE-NOTES "GAN with one Accelerator")::
@@ -49,6 +52,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
+import torch.utils.data
 
 from ..markers import hookimpl
 from .base import StepOutput, Strategy, frozen, loss_and_backward, update
@@ -190,7 +194,12 @@ class GAN(Strategy):
     # -- hooks -----------------------------------------------------------------
 
     @hookimpl(tryfirst=True)
+    def on_loop_start(self, loop):
+        check_batched(loop.train_data)  # at Loop(...), before anything is prepared
+
+    @hookimpl(tryfirst=True)
     def on_fit_start(self, loop):
+        check_batched(loop.train_data)  # also when loop.train_data was replaced since
         accelerator = loop.accelerator
         if accelerator.mixed_precision == "fp16":
             raise ValueError(
@@ -282,6 +291,28 @@ class GANLoss:
             fake = outputs["fake"]
             return F.binary_cross_entropy_with_logits(fake, torch.ones_like(fake))
         return None
+
+
+def check_batched(data, what="train_data") -> None:
+    """Refuse data that iterates one sample at a time: a tensor (its rows) or
+    a map-style ``torch.utils.data.Dataset`` (its examples). The GAN would
+    train on each sample alone, without a batch dimension, and say nothing."""
+    if isinstance(data, torch.Tensor):
+        given, items = f"a tensor of shape {tuple(data.shape)}", "rows"
+        fix = "DataLoader(TensorDataset(tensor), batch_size=..., shuffle=True)"
+    elif isinstance(data, torch.utils.data.Dataset) and not isinstance(data, torch.utils.data.IterableDataset):
+        try:
+            given = f"a {type(data).__name__} of {len(data)} examples"
+        except TypeError:
+            given = f"a {type(data).__name__}"
+        items = "examples"
+        fix = "DataLoader(dataset, batch_size=..., shuffle=True)"
+    else:
+        return
+    raise TypeError(
+        f"{what} is {given}: the GAN strategy would iterate its {items} one by one, each "
+        f"a step of its own without a batch dimension. Pass {fix} (torch.utils.data)"
+    )
 
 
 def _mix(*values: int) -> int:

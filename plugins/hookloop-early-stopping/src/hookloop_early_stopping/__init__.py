@@ -73,6 +73,15 @@ class EarlyStopping:
             return value < self.best - self.min_delta
         return value > self.best + self.min_delta
 
+    @hookimpl
+    def on_eval_end(self, loop, metrics):
+        # the sanity check's evaluation: a misspelt monitor fails in seconds, not after an epoch
+        if loop.state.stage == "sanity" and self.monitor not in metrics and not self.monitor.startswith("train"):
+            raise KeyError(
+                f"early-stopping monitors {self.monitor!r}, but the evaluation's metrics are "
+                f"{sorted(metrics) or 'empty'}; pass monitor=... with one of them"
+            )
+
     # not trylast: a checkpoint plugin saves at epoch end as late as it can
     # (trylast), and must find this epoch already counted. Plugins that add
     # metrics go before this one in plugins=[...].

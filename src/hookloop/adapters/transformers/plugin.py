@@ -278,6 +278,8 @@ class TrainerCallbacks:
 
     @hookimpl
     def on_eval_start(self, loop):
+        if loop.state.stage == "sanity":
+            return  # the sanity check is no evaluation for the callbacks
         self._setup(loop)  # loop.evaluate() before any fit
         self.callback_handler.eval_dataloader = self._evals.started(loop)
 
@@ -292,6 +294,8 @@ class TrainerCallbacks:
     @hookimpl(wrapper=True)  # the metrics every plugin added
     def on_eval_end(self, loop, metrics):
         result = yield
+        if loop.state.stage == "sanity":
+            return result
         out = self._evals.metrics(loop, metrics)
         self._logs.log(loop, out)  # adds "epoch", as Trainer.log does to the same dict
         self._event("on_evaluate", metrics=out)

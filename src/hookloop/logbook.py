@@ -1,0 +1,182 @@
+"""Who logged what: ``loop.log`` (to the trackers, into an epoch's or an
+evaluation's reductions) and the metrics dicts plugins receive.
+
+Two plugins writing one key is an error naming both (two instances of one
+plugin logging ``clip_fraction`` would otherwise be averaged into one curve;
+a plugin returning ``eval_loss`` next to the built-in metrics would be
+averaged with them), unless the writer declares that it replaces the other:
+a class attribute ``replaces = ("metrics",)`` (plugin names). A plugin tells
+its instances apart with ``loop.plugins.name_of(self)``.
+
+Values logged while a batch is trained share one step number on the
+trackers: the update the batch belongs to, whether they are logged from
+``before_step``, ``after_optimizer_step`` or ``after_step``.
+"""
+
+from __future__ import annotations
+
+import numbers
+import sys
+
+import torch
+
+from .epoch_values import EpochValues
+from .trackers import TrackerSession
+
+
+def replaces(plugins, writer: str | None, owner: str | None) -> bool:
+    """Whether plugin ``writer`` declares that it replaces plugin ``owner``."""
+    if writer is None or owner is None:
+        return False
+    declared = getattr(plugins.get(writer), "replaces", ())
+    return owner in ((declared,) if isinstance(declared, str) else tuple(declared or ()))
+
+
+def collision(what: str, key: str, owner: str, writer: str) -> ValueError:
+    return ValueError(
+        f"{what} {key!r} is written by plugin {owner!r} and by plugin {writer!r}: their values "
+        f"would be mixed into one. Give one of them another key (a plugin knows its own name: "
+        f"loop.plugins.name_of(self), e.g. f\"{{name}}/{key}\"), block one (block=[...]), or "
+        f"declare in the one that should win: replaces = ({owner!r},)"
+    )
+
+
+class Logbook:
+    """A loop's logging: the trackers (:class:`~hookloop.trackers.TrackerSession`),
+    the evaluation's ``loop.log(on_epoch=True)`` values, who wrote which key."""
+
+    def __init__(self, accelerator, plugins):
+        self.accelerator = accelerator
+        self.plugins = plugins
+        self.trackers = TrackerSession(accelerator)
+        #: loop.log(on_epoch=True) during an evaluation
+        self.eval_values = EpochValues()
+        #: while a batch is trained: the number of the update it belongs to
+        self.step: int | None = None
+        self._step_owners: dict[str, str] = {}  # tracker key -> plugin, this fit
+
+    def start_fit(self) -> None:
+        self._step_owners = {}
+
+    def writer(self, depth: int) -> str | None:
+        """The registered plugin whose method is ``depth`` frames up, or None."""
+        caller = sys._getframe(depth + 1).f_locals.get("self")
+        return None if caller is None else self.plugins.name_of(caller)
+
+    def log(self, state, values, on_step, on_epoch, reduce, writer) -> None:
+        if on_epoch:
+            stage = state.stage
+            if stage == "eval":
+                self._add(self.eval_values, values, reduce, writer)
+            elif stage not in ("sanity", "predict"):
+                self._add(state.logged, values, reduce, writer)
+        if on_step:
+            acc = self.accelerator
+            step = self.step if self.step is not None else state.global_step
+            if writer is not None:
+                values = self._claim_step(values, writer, step)
+            if not acc.is_main_process:
+                return
+            if not acc.trackers and not (self.trackers.fitting and self.trackers.start()):
+                return  # nobody to write to: nothing read
+            acc.log({k: v.item() if isinstance(v, torch.Tensor) else v for k, v in values.items()},
+                    step=step)
+
+    def _claim_step(self, values, writer, step):
+        """Two plugins logging one key at one step: the trackers would keep one
+        of the two values (at different steps they are one curve, as two
+        loggers at different intervals)."""
+        owners = self._step_owners
+        kept = values
+        for key in values:
+            previous = owners.get(key)
+            owners[key] = (writer, step)
+            if previous is None or previous[0] == writer or previous[1] != step:
+                continue
+            owner = previous[0]
+            if replaces(self.plugins, owner, writer):
+                owners[key] = previous
+                kept = {k: v for k, v in kept.items() if k != key}
+            elif not replaces(self.plugins, writer, owner):
+                raise collision(f"loop.log key (at step {step})", key, owner, writer)
+        return kept
+
+    def _add(self, target: EpochValues, values, reduce, writer) -> None:
+        if writer is not None:
+            values = self._claim(target.owners, values, writer, "loop.log(on_epoch=True) key",
+                                 target)
+        target.add(values, reduce)
+
+    def _claim(self, owners, values, writer, what, target=None):
+        """``values`` less those another plugin owns and replaces this
+        writer's; an error for a key another plugin owns otherwise."""
+        kept = values
+        for key in values:
+            owner = owners.setdefault(key, writer)
+            if owner == writer:
+                continue
+            if replaces(self.plugins, writer, owner):
+                owners[key] = writer
+                if target is not None:
+                    target.forget(key)  # the replaced plugin's values of the epoch go
+            elif replaces(self.plugins, owner, writer):
+                kept = {k: v for k, v in kept.items() if k != key}
+            else:
+                raise collision(what, key, owner, writer)
+        return kept
+
+
+class Metrics(dict):
+    """The metrics of an evaluation or an epoch, as ``on_eval_end`` and
+    ``on_epoch_end`` receive them: numbers (floats, ints) by name, so that
+    what ``fit`` returns and what trackers get is plain data. Setting a
+    value that is not a number (a tensor: write ``float(t)`` or
+    ``t.item()``) is a ``TypeError``, and setting a key another plugin
+    wrote is an error naming both (unless one ``replaces`` the other), both
+    raised where the plugin sets it."""
+
+    def __init__(self, items=(), *, plugins=None, owners=None):
+        super().__init__()
+        self._plugins = plugins
+        self._owners: dict[str, str | None] = {}
+        for key, value in dict(items).items():
+            self._put(key, value, (owners or {}).get(key))
+
+    def __setitem__(self, key, value):
+        self._put(key, value, self._writer())
+
+    def update(self, *args, **kwargs):
+        writer = self._writer()
+        for key, value in dict(*args, **kwargs).items():
+            self._put(key, value, writer)
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self._put(key, default, self._writer())
+        return self[key]
+
+    def _writer(self) -> str | None:
+        if self._plugins is None:
+            return None
+        caller = sys._getframe(2).f_locals.get("self")
+        return None if caller is None else self._plugins.name_of(caller)
+
+    def _put(self, key, value, writer) -> None:
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and writer is None:
+            value = value.item()  # the loop's own reductions
+        if not isinstance(value, numbers.Real):
+            who = f" (plugin {writer!r})" if writer else ""
+            raise TypeError(
+                f"metrics[{key!r}] is a {type(value).__module__}.{type(value).__qualname__}{who}: "
+                "metrics are numbers (what fit() returns and trackers get); write float(value), "
+                "or value.item() for a one-element tensor"
+            )
+        owner = self._owners.get(key)
+        if key in self and owner is not None and writer is not None and owner != writer:
+            if replaces(self._plugins, owner, writer):
+                return  # the owner replaces this writer's value
+            if not replaces(self._plugins, writer, owner):
+                raise collision("metrics key", key, owner, writer)
+        dict.__setitem__(self, key, value)
+        if writer is not None or key not in self._owners:
+            self._owners[key] = writer
