@@ -70,6 +70,19 @@ def length_of(obj) -> int | None:
         return None
 
 
+def updates_per_epoch(data, accumulation: int) -> int | None:
+    """Optimizer updates in a whole epoch of ``data`` under gradient
+    accumulation ``accumulation``: a prepared loader's last partial group is
+    an update too (Accelerate synchronises at the end of the data); None
+    without a length."""
+    from accelerate.data_loader import DataLoaderStateMixin
+
+    batches = length_of(data)
+    if batches is None:
+        return None
+    return -(-batches // accumulation) if isinstance(data, DataLoaderStateMixin) else batches // accumulation
+
+
 def loader_batch_size(data) -> int | None:
     """The batch size a (prepared) dataloader was built with, looked up
     through the batch samplers Accelerate wraps it in; None if unknown."""

@@ -26,13 +26,14 @@ from accelerate.data_loader import DataLoaderStateMixin
 from . import checkpointing, checks, evaluation, rng
 from . import manager as plugin_manager
 from .accelerate_fastpath import FastPath
-from .batches import abandon, length_of
+from .batches import abandon, length_of, updates_per_epoch
 from .logbook import Logbook, Metrics
 from .network import Network, networks_from
 from .network import prepare as prepare_networks
 from .plugins import BUILTINS, FiniteCheck, ProgressBar
 from .state import DATA, END_EPOCH, MAX_STEPS, STOP, LoopState
 from .strategies import StepOutput, Supervised
+from .strategies.base import step_epoch_schedulers
 
 _NULL = contextlib.nullcontext()
 
@@ -64,6 +65,9 @@ class Loop:
     :param resume_from: restore a checkpoint now (see :meth:`load_checkpoint`):
         ``"latest"`` (nothing saved yet: start from scratch), ``"best"``, a
         checkpoint directory, or a checkpoint root (its latest).
+    :param scheduler_interval: ``"step"`` (every update) or ``"epoch"``, and
+        ``scheduler_frequency``, for ``scheduler=`` (Lightning's ``interval``
+        and ``frequency``; with ``networks=``, on each :class:`Network`).
     """
 
     def __init__(
@@ -81,9 +85,13 @@ class Loop:
         block=(),
         prepare: bool = True,
         resume_from=None,
+        scheduler_interval: str = "step",
+        scheduler_frequency: int = 1,
     ):
         self.strategy = strategy if strategy is not None else Supervised()
-        self.networks = networks_from(model, optimizer, scheduler, networks, self.strategy)
+        schedule = ({} if (scheduler_interval, scheduler_frequency) == ("step", 1) else
+                    {"scheduler_interval": scheduler_interval, "scheduler_frequency": scheduler_frequency})
+        self.networks = networks_from(model, optimizer, scheduler, networks, self.strategy, schedule)
         self.strategy.check_networks(self.networks)
         frozen = set(getattr(self.strategy, "frozen_networks", ()))
         #: the networks ``fit`` puts in train mode (not a strategy's frozen ones)
@@ -219,12 +227,10 @@ class Loop:
         state = self.state
         if state.max_steps is not None:
             return state.max_steps
-        per_epoch = length_of(self.train_data)
+        per_epoch = updates_per_epoch(self.train_data, self._accumulation)
         if per_epoch is None or state.max_epochs is None:
             return None
-        k = self._accumulation  # the last partial group of an epoch is one update too
-        updates = -(-per_epoch // k) if isinstance(self.train_data, DataLoaderStateMixin) else per_epoch // k
-        return state.max_epochs * updates
+        return state.max_epochs * per_epoch
 
     # -- training: fit and its phases ------------------------------------------
 
@@ -305,7 +311,7 @@ class Loop:
         state.end_epoch = False  # asked after the last epoch's training: nothing to end
         loaders_before = list(self.accelerator.gradient_state.dataloader_references)
         if state.step_in_epoch:  # continuing an epoch: the same batches, none replayed
-            batches = self._rest_of_epoch(resume)
+            batches = rng.rest_of_epoch(self.accelerator, state, self.train_data, resume)
             if batches is None:
                 return DATA  # nothing was left of it
             self.hook.on_epoch_start(loop=self, epoch=state.epoch)
@@ -407,6 +413,8 @@ class Loop:
                 # an epoch ended early evaluates without a trace in the random
                 # states: the next fit continues the epoch as if it had not stopped
                 metrics = self._evaluate(self.eval_data, keep_rng=not complete, metrics=metrics)
+        if complete:
+            step_epoch_schedulers(self, self._trainable, metrics)
         hook.on_epoch_end(loop=self, epoch=epoch, metrics=metrics)
         state.last_metrics = dict(metrics)
         if reason == STOP:
@@ -450,24 +458,6 @@ class Loop:
                                                  self.state.global_step + 1)
         self._start_accumulation()
         return self._accumulation
-
-    def _rest_of_epoch(self, resume):
-        """The batches of the current epoch after ``state.step_in_epoch``, in
-        the order the epoch drew, or None if none is left of an epoch whose
-        end already ran. A stateful loader (``use_stateful_dataloader``)
-        continues from its own state (restored by :meth:`load_checkpoint`,
-        or where this process left it); any other is started from the random
-        state the epoch started from and its seen batches are skipped (a
-        stream is read again up to there), then the random state is put back
-        where the run stopped."""
-        state, data = self.state, self.train_data
-        if resume is None:  # a second fit() in this process
-            resume = rng.Resume(epoch_start=state.epoch_start, rng=rng.capture_rng())
-            if getattr(data, "use_stateful_dataloader", False):
-                data.load_state_dict(data.state_dict())  # where its last iteration was left
-        state.epoch_start = resume.epoch_start
-        skip = None if getattr(data, "use_stateful_dataloader", False) else state.step_in_epoch
-        return resume.batches(self.accelerator, data, skip, none_if_empty=state.epoch_ended)
 
     # -- checkpoints ---------------------------------------------------------------
 

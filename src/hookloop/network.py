@@ -20,6 +20,15 @@ class Network:
     the loop fills in ``name`` and, once ``accelerator.prepare`` ran, replaces
     ``model``, ``optimizer`` and ``scheduler`` by their prepared versions
     (``unwrapped`` keeps the plain ``torch.nn.Module``).
+
+    When the scheduler steps, as Lightning's ``lr_scheduler`` config says it
+    (``{"scheduler": s, "interval": "epoch", "frequency": 1, "monitor": ...}``):
+    ``scheduler_interval="step"`` (default) after every ``scheduler_frequency``-th
+    optimizer update, ``"epoch"`` once after every ``scheduler_frequency``-th
+    epoch (its end, after its evaluation, before ``on_epoch_end``; an epoch
+    ended early by a stop is not over and does not step it), exactly once
+    whatever the number of processes. ``scheduler_monitor``: a metric of the
+    epoch passed to the scheduler's ``step`` (``ReduceLROnPlateau``).
     """
 
     model: Any
@@ -31,10 +40,17 @@ class Network:
     #: the last gradient norm a clipping plugin measured (a 0-d tensor), for
     #: logging; ``None`` when nothing clips
     grad_norm: Any = None
+    #: ``"step"`` or ``"epoch"``: when the scheduler steps
+    scheduler_interval: str = "step"
+    #: every how many steps (updates) or epochs
+    scheduler_frequency: int = 1
+    #: a metric of the epoch given to ``scheduler.step(value)`` (epoch interval)
+    scheduler_monitor: str | None = None
 
     def __post_init__(self):
         if self.unwrapped is None:
             self.unwrapped = self.model
+        check_schedule(self)
         untrained = self.untrained_parameters()
         if untrained:
             who = f"network {self.name!r}" if self.name else f"Network({type(self.unwrapped).__name__})"
@@ -63,7 +79,20 @@ class Network:
         return f"Network(name={self.name!r}, model={type(self.unwrapped).__name__})"
 
 
-def networks_from(model, optimizer, scheduler, networks, strategy) -> dict[str, Network]:
+def check_schedule(network) -> None:
+    """A scheduler interval, frequency and monitor that mean something."""
+    if network.scheduler_interval not in ("step", "epoch"):
+        raise ValueError(f"Network: scheduler_interval must be 'step' or 'epoch', got "
+                         f"{network.scheduler_interval!r}")
+    frequency = network.scheduler_frequency
+    if not isinstance(frequency, int) or isinstance(frequency, bool) or frequency < 1:
+        raise ValueError(f"Network: scheduler_frequency must be a positive int, got {frequency!r}")
+    if network.scheduler_monitor is not None and network.scheduler_interval != "epoch":
+        raise ValueError("Network: scheduler_monitor (a metric given to the scheduler) needs "
+                         "scheduler_interval='epoch': the metrics exist at the epoch's end")
+
+
+def networks_from(model, optimizer, scheduler, networks, strategy, schedule=None) -> dict[str, Network]:
     """``Loop(model=, optimizer=, scheduler=)`` or ``Loop(networks={...})`` as
     ``{name: Network}``, checked before anything is prepared: every model a
     ``torch.nn.Module``, every network the strategy trains with an optimizer,
@@ -75,6 +104,9 @@ def networks_from(model, optimizer, scheduler, networks, strategy) -> dict[str, 
     if networks is not None:
         if model is not None or optimizer is not None or scheduler is not None:
             raise ValueError("pass either model=/optimizer=/scheduler= or networks=, not both")
+        if schedule:
+            raise ValueError("Loop(scheduler_interval=...) is for Loop(model=, optimizer=, scheduler=): "
+                             "with networks= give each Network(..., scheduler_interval=...)")
         if not isinstance(networks, Mapping) or not networks:
             raise ValueError("networks= must be a non-empty dict of name -> Network(...)")
         out = {}
@@ -96,7 +128,7 @@ def networks_from(model, optimizer, scheduler, networks, strategy) -> dict[str, 
             if inspect.isclass(obj):  # before Network(...), which would fail on it obscurely
                 raise TypeError(f"{what}= is the class {_class_name(obj)}, not an instance: "
                                 f"pass {what}={obj.__qualname__}{fix}")
-        out = {"model": Network(model, optimizer, scheduler, name="model")}
+        out = {"model": Network(model, optimizer, scheduler, name="model", **(schedule or {}))}
     for name, network in out.items():
         for what in ("optimizer", "scheduler"):
             obj = getattr(network, what)

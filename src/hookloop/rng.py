@@ -304,6 +304,26 @@ def shuffling_from(data, state, iterated=None):
 _END = object()
 
 
+def rest_of_epoch(accelerator, state, data, resume):
+    """The batches of the current epoch after ``state.step_in_epoch``, in the
+    order the epoch drew, or None if none is left of an epoch whose end
+    already ran (``state.epoch_ended``). A stateful loader
+    (``use_stateful_dataloader``) continues from its own state (restored from
+    a checkpoint, or where this process left it); any other is started from
+    the random state the epoch started from and its seen batches are skipped
+    (a stream is read again up to there); then the random state is put back
+    where the run stopped. ``resume``: what a checkpoint restored (None: a
+    second ``fit`` in this process)."""
+    stateful = getattr(data, "use_stateful_dataloader", False)
+    if resume is None:
+        resume = Resume(epoch_start=state.epoch_start, rng=capture_rng())
+        if stateful:
+            data.load_state_dict(data.state_dict())  # where its last iteration was left
+    state.epoch_start = resume.epoch_start
+    skip = None if stateful else state.step_in_epoch
+    return resume.batches(accelerator, data, skip, none_if_empty=state.epoch_ended)
+
+
 def first_or_none(batches, none_if_empty: bool = True):
     """``batches`` with its first item drawn (to know whether there is one):
     None if empty and ``none_if_empty``."""

@@ -187,6 +187,8 @@ def update(loop, network):
     """
     fast = loop._fastpath  # Accelerate's step() / zero_grad() without their per-call lookups
     optimizer, scheduler = network.optimizer, network.scheduler
+    if scheduler is not None and (network.scheduler_interval != "step" or network.scheduler_frequency != 1):
+        scheduler = _scheduled(loop, network, fast)  # None: not at this update
     if not fast.sync_gradients():
         fast.step(optimizer)
         if scheduler is not None:
@@ -204,3 +206,38 @@ def update(loop, network):
     hook.before_zero_grad(loop=loop, network=network)
     fast.zero_grad(optimizer)
     hook.after_zero_grad(loop=loop, network=network)
+
+
+def _scheduled(loop, network, fast):
+    """The scheduler to step at this batch, or None: an epoch scheduler never
+    steps here (see :func:`step_epoch_schedulers`); a step scheduler of
+    frequency N at every N-th update only."""
+    if network.scheduler_interval == "epoch" or not fast.sync_gradients():
+        return None
+    return network.scheduler if (loop.state.global_step + 1) % network.scheduler_frequency == 0 else None
+
+
+def step_epoch_schedulers(loop, networks, metrics) -> None:
+    """At the end of a whole epoch (``loop.state.epoch`` still the one that
+    ended): every ``scheduler_interval="epoch"`` scheduler whose frequency
+    says so steps once, between its hooks. Once, whatever the number of
+    processes: a scheduler Accelerate prepared steps once per process per
+    call, so its own scheduler is stepped."""
+    epoch = loop.state.epoch
+    for network in networks:
+        scheduler = network.scheduler
+        if (scheduler is None or network.scheduler_interval != "epoch"
+                or (epoch + 1) % network.scheduler_frequency):
+            continue
+        inner = getattr(scheduler, "scheduler", scheduler)  # AcceleratedScheduler's
+        args = ()
+        if network.scheduler_monitor is not None:
+            if network.scheduler_monitor not in metrics:
+                raise KeyError(
+                    f"network {network.name!r}: scheduler_monitor {network.scheduler_monitor!r} is "
+                    f"not in the epoch's metrics {sorted(metrics) or '(none: is eval_data set?)'}"
+                )
+            args = (metrics[network.scheduler_monitor],)
+        loop.hook.before_scheduler_step(loop=loop, network=network)
+        inner.step(*args)
+        loop.hook.after_scheduler_step(loop=loop, network=network)
