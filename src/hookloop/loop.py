@@ -12,20 +12,20 @@ states as training continues from them.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import gc
 import weakref
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderStateMixin
 
 from . import checkpointing, checks, evaluation, rng
 from . import manager as plugin_manager
 from .accelerate_fastpath import FastPath
+from .agreement import Agreement
+from .lifetime import _open_loops
 from .batches import abandon, length_of, updates_per_epoch
 from .logbook import Logbook, Metrics
 from .network import Network, networks_from
@@ -122,6 +122,7 @@ class Loop:
         self._start_accumulation()  # read again when fit() starts
         self._resume = None  # how to continue after load_checkpoint, used by the next epoch
         self._logbook = Logbook(self.accelerator, self.plugins)  # loop.log, trackers, metrics
+        self._agreement = Agreement(self.accelerator)  # stops asked on some processes only
         self._safe = False  # inside on_safe_point
         #: the checkpoint directory the last :meth:`load_checkpoint` restored
         self.resumed_from = None
@@ -148,23 +149,28 @@ class Loop:
         if self.accelerator.is_main_process:
             print(*args, **kwargs)
 
-    def stop(self, reason: str | None = None):
+    def stop(self, reason: str | None = None, *, every_rank: bool = False):
         """Ask the loop to end the epoch at the next update boundary (at
         once, without accumulation) and finish the fit: the epoch's
         evaluation and ``on_epoch_end`` still run; the next ``fit``
-        continues the epoch where it stopped."""
-        self.state.stop(reason)
+        continues the epoch where it stopped. With several processes a stop
+        asked on some of them takes effect on all at the next point where
+        they agree (after an evaluation, at an epoch end, every 10 updates:
+        :mod:`hookloop.agreement`), never a hang; ``every_rank=True``: every
+        process calls it here (a decision taken together): at once."""
+        self._agreement.stop(self.state, reason, every_rank)
 
     def skip_batch(self):
         """From ``before_step``: do not train on the current batch."""
         self.state.skip_batch = True
 
-    def end_epoch(self):
+    def end_epoch(self, *, every_rank: bool = False):
         """End the current epoch at the next update boundary, as if its data
         had run out (the Hugging Face Trainer's ``should_epoch_stop``): its
         evaluation and ``on_epoch_end`` run, then the next epoch starts with
-        its first batch; the rest of this epoch's batches are not trained."""
-        self.state.end_epoch = True
+        its first batch; the rest of this epoch's batches are not trained.
+        Several processes agree on it as on :meth:`stop`."""
+        self._agreement.end_epoch(self.state, every_rank)
 
     @property
     def at_safe_point(self) -> bool:
@@ -273,6 +279,7 @@ class Loop:
             self.load_checkpoint(resume_from)
         state = self.state
         state.start_fit(epochs, max_steps)
+        self._agreement.start_fit()
         if state.stopped is not None and self._resume is not None:
             state.stop(state.stopped)  # resumed where a stop ended the fit: it stays stopped
         state.stopped = None
@@ -331,7 +338,7 @@ class Loop:
         in_group = 0  # batches of the current accumulation group trained so far
         length = length_of(self.train_data)  # batches in a whole epoch, if known
         prepared = isinstance(self.train_data, DataLoaderStateMixin)  # knows its last batch
-        logbook = self._logbook
+        logbook, agreement = self._logbook, self._agreement
         for batch in batches:
             logbook.step = state.global_step + 1  # what this batch's values are logged at
             hook.before_step(loop=self, batch=batch)
@@ -360,12 +367,15 @@ class Loop:
                 continue  # a stop, an evaluation, a safe point: at the end of the accumulation group
             last = ((length is not None and state.step_in_epoch >= length)
                     or (prepared and gradient_state.end_of_dataloader))
+            if agreement.several and updated and not last and agreement.due(state.global_step):
+                agreement.agree(state)  # a stop asked on some processes only: on all, here
             reason = None if last else self._early_end()
             if reason is None and updated:
                 if (eval_every is not None and not last and state.global_step % eval_every == 0
                         and state.global_step != state.evaluated_at):
                     state.evaluation = self._evaluate(self.eval_data, keep_rng=True)
                     state.evaluated_at = state.global_step
+                    agreement.agree(state)
                     reason = self._early_end()  # asked by the evaluation (early stopping)
                 if reason is None:
                     if last:  # the epoch's end follows; its evaluation is this update's
@@ -424,6 +434,7 @@ class Loop:
             state.new_epoch()
         else:
             state.epoch_ended = True
+        self._agreement.agree(state)  # the fit ends here on every process, or on none
         self._safe_point(epoch_end=True, fit_end=state.finished)
         state.epoch_end_reason = None
 
@@ -519,7 +530,10 @@ class Loop:
         """
         data = evaluation.loader_for(self, data)
         with self.plugins.guard(self):
-            return self._evaluate(data, keep_rng=True)
+            metrics = self._evaluate(data, keep_rng=True)
+        if self.state.stage == "train":  # from a hook: every process evaluated here
+            self._agreement.agree(self.state)
+        return metrics
 
     def predict(self, data) -> Any:
         """The outputs of ``eval_step`` (the model's forward outputs, for the
@@ -584,24 +598,3 @@ class Loop:
         except Exception:  # noqa: BLE001 - best effort
             pass
         gc.collect()
-
-
-_open_loops: "weakref.WeakSet[Loop]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_loops():
-    if not _open_loops:
-        return
-    for loop in list(_open_loops):
-        try:
-            loop.close()
-        except Exception:  # noqa: BLE001
-            pass
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        try:  # at exit only: Loop.close keeps the group for later loops
-            torch.distributed.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
-
-

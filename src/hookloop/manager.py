@@ -237,10 +237,20 @@ class PluginManager:
             except Exception as hook_exc:  # keep the original error first
                 exc.__context__ = hook_exc
             culprit = self.culprit(exc) if isinstance(exc, Exception) else None
+            collective = _collective_failure(loop, exc)
             if culprit is not None:
                 plugin, hook = culprit
-                add_note(exc, f"hookloop: raised in hook {hook!r} of plugin {plugin!r} "
+                verb = "surfaced" if collective else "raised"
+                add_note(exc, f"hookloop: {verb} in hook {hook!r} of plugin {plugin!r} "
                               f"({self.sources.get(plugin, '?')})")
+            if collective:
+                add_note(exc, "hookloop: a collective (all-reduce, gather, broadcast) failed between "
+                              f"the {loop.accelerator.num_processes} processes: they may have run "
+                              "different collectives. Every process must run the same ones in the "
+                              "same order: a plugin's accelerator.reduce / gather / broadcast, "
+                              "loop.log(on_epoch=True) or loop.evaluate() run on some processes only "
+                              "(under `if accelerator.is_main_process:`) makes them disagree; where it "
+                              "surfaced is not where it went wrong")
             raise  # the same exception object, its type and traceback unchanged
         finally:
             self._guarding = False
@@ -305,6 +315,24 @@ def _trylast_ordered(impls, order):
 # ---------------------------------------------------------------------------
 # naming: which name each plugin of a loop is registered under
 # ---------------------------------------------------------------------------
+
+
+#: what torch.distributed's backends say when the processes ran other collectives
+_COLLECTIVE_SIGNS = ("collective mismatch", "doesn't match expected size", "op.preamble",
+                     "Connection closed by peer", "Connection reset by peer", "ProcessGroupGloo",
+                     "ProcessGroupNCCL", "NCCL error", "Watchdog caught collective")
+
+
+def _collective_failure(loop, exc) -> bool:
+    """Whether ``exc`` looks like processes that disagreed on a collective."""
+    try:
+        several = loop.accelerator.num_processes > 1
+    except Exception:  # noqa: BLE001 - a half-built loop
+        return False
+    if not several or not isinstance(exc, (RuntimeError, OSError)):
+        return False
+    text = str(exc)
+    return any(sign in text for sign in _COLLECTIVE_SIGNS) or "DistBackendError" in type(exc).__name__
 
 
 def plugin_name(plugin) -> str:

@@ -203,3 +203,42 @@ def test_fit_to_a_limit_the_resumed_run_has_passed_warns_and_trains_nothing(tiny
         loop.fit(max_steps=10)
     assert loop.state.global_step == 13
     assert all(torch.equal(a, b) for a, b in zip(before, parameters(loop)))
+
+
+# -- processes that disagree ---------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_stop_asked_on_one_process_stops_every_process_at_the_same_update(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from paths import SCRIPTS
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", "0", str(SCRIPTS / "disagree_two_processes.py"), str(tmp_path), "stop"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # 0.2: hangs forever
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    # asked at update 3 on rank 0 alone: both stop at the next agreement point (every 10 updates)
+    assert [r["global_step"] for r in ranks] == [10, 10]
+    assert ranks[1]["stop_reason"] == "rank 0 had enough (asked on another process)"
+
+
+def test_an_error_from_disagreeing_collectives_says_so(tiny_loop, monkeypatch):
+    class Mismatch:
+        @hookimpl
+        def after_backward(self):
+            raise RuntimeError("[enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 196 vs 4. "
+                               "Received data size doesn't match expected size. Is there a distributed "
+                               "collective mismatch in your code?")
+
+    loop = tiny_loop([Mismatch()])
+    monkeypatch.setattr(type(loop.accelerator), "num_processes", property(lambda self: 2))
+    with pytest.raises(RuntimeError) as info:
+        loop.fit(max_steps=1)
+    notes = "\n".join(info.value.__notes__)
+    assert "surfaced in hook 'after_backward' of plugin 'Mismatch'" in notes
+    assert "may have run different collectives" in notes and "some processes only" in notes

@@ -177,7 +177,8 @@ class Timer:
         if stop:
             self.stopped_at = loop.state.global_step
             elapsed = timedelta(seconds=int(self.time_elapsed()))
-            loop.stop(f"timer: time limit {timedelta(seconds=self._duration)} reached ({elapsed} elapsed)")
+            loop.stop(f"timer: time limit {timedelta(seconds=self._duration)} reached ({elapsed} elapsed)",
+                      every_rank=True)  # the main process decided for all
             if self.verbose:
                 loop.print(f"Time limit reached. Elapsed time is {elapsed}. Stopping at update "
                            f"{loop.state.global_step}.")
