@@ -227,6 +227,25 @@ def test_a_stop_asked_on_one_process_stops_every_process_at_the_same_update(tmp_
     assert ranks[1]["stop_reason"] == "rank 0 had enough (asked on another process)"
 
 
+@pytest.mark.slow
+def test_metric_values_not_gathered_over_processes_are_refused_on_every_process(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from paths import SCRIPTS
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", "0", str(SCRIPTS / "disagree_two_processes.py"), str(tmp_path),
+           "ungathered"]
+    subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    for rank in ranks:  # in the sanity check, before any training; 0.2: ranks disagree silently
+        assert rank["error"].startswith("ValueError: after_eval_step: plugin 'Ungathered' returned "
+                                        "'eval_mine' as this process's 8 values, not the batch's 16")
+
+
 def test_an_error_from_disagreeing_collectives_says_so(tiny_loop, monkeypatch):
     class Mismatch:
         @hookimpl

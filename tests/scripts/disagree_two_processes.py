@@ -1,5 +1,7 @@
 """Two processes that disagree: ``stop`` (rank 0 alone calls loop.stop() at
-update 3) or ``reduce`` (rank 0 alone runs a collective at update 3).
+update 3), ``reduce`` (rank 0 alone runs a collective at update 3), or
+``ungathered`` (a metric plugin returns each process's own values, not
+gathered: every process would compute another mean).
 
     accelerate launch --multi_gpu --num_processes 2 disagree_two_processes.py OUT MODE
 
@@ -15,6 +17,12 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader, TensorDataset
 
 from hookloop import Loop, hookimpl
+
+
+class Ungathered:
+    @hookimpl
+    def after_eval_step(self, outputs):
+        return {"eval_mine": outputs.float().mean(-1)}  # no gather_for_metrics
 
 
 class Disagree:
@@ -38,8 +46,10 @@ def main(out, mode):
     rank = accelerator.process_index
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
     data = DataLoader(TensorDataset(torch.randn(256, 8), torch.randint(0, 3, (256,))), batch_size=8)
+    plugins = [Ungathered()] if mode == "ungathered" else [Disagree(mode)]
     loop = Loop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), train_data=data,
-                accelerator=accelerator, plugins=[Disagree(mode)], block=["progress"])
+                eval_data=DataLoader(TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,))), batch_size=8),
+                accelerator=accelerator, plugins=plugins, block=["progress"])
     try:
         loop.fit(epochs=1)  # 16 updates an epoch per process
         result = {"global_step": loop.state.global_step, "stop_reason": loop.state.stop_reason}
