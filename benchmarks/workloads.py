@@ -4,7 +4,7 @@ Every loop here trains the same seeded model on the same seeded data, so
 that loops which do the same arithmetic end with bitwise-equal parameters:
 
 ``plain``      plain PyTorch: no Accelerate, no hookloop.
-``hand``       the brief's hand-written Accelerate loop: ``prepare``, then per
+``hand``       the reference workload's hand-written Accelerate loop: ``prepare``, then per
                batch forward, loss, ``accelerator.backward``,
                ``optimizer.step()``, ``scheduler.step()``,
                ``optimizer.zero_grad()``.
@@ -206,7 +206,7 @@ class EpochClock:
 
 
 def supervised_loss(model, batch):
-    """The brief's per-batch loss: ``outputs.loss`` for a dict batch (the
+    """The reference workload's per-batch loss: ``outputs.loss`` for a dict batch (the
     model was given labels), else cross-entropy of ``model(inputs)``."""
     if isinstance(batch, dict):
         return model(**batch).loss
@@ -241,7 +241,7 @@ def run_plain(work: Workload, clock: EpochClock, device: str):
 
 
 def run_hand(work: Workload, clock: EpochClock, accelerator):
-    """The brief's hand-written Accelerate loop."""
+    """The reference workload's hand-written Accelerate loop."""
     if work.name == "gan":
         G, D = work.models["generator"], work.models["discriminator"]
         G, D, opt_g, opt_d, dl, sched_g, sched_d = accelerator.prepare(
@@ -270,7 +270,7 @@ def run_hand(work: Workload, clock: EpochClock, accelerator):
 def _gan_by_hand(work, clock, backward, device, dataloader, G, D, opt_g, opt_d, sched_g, sched_d,
                  to=None):
     """ACCELERATE-NOTES' GAN pattern, with each optimizer's step, scheduler
-    step and ``zero_grad`` as in the brief: one G forward per batch; the D
+    step and ``zero_grad`` as in the reference workload: one G forward per batch; the D
     step on ``D(real)`` and ``D(fake.detach())`` with one backward; then the
     G step on a fresh ``D(fake)``. The latent noise comes from a per-process
     ``torch.Generator`` reseeded every step, drawn exactly as

@@ -1,4 +1,4 @@
-"""The brief's hand-written Accelerate loop, the reference hookloop must equal."""
+"""The reference workload's hand-written Accelerate loop, the reference hookloop must equal."""
 
 import torch.nn.functional as F
 

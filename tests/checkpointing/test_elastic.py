@@ -430,3 +430,22 @@ def test_weights_only_across_numbers_of_processes(two_process_run, tmp_path):
     saved = load_file(tmp_path / "ck2" / "step-00000003" / "model.safetensors")
     loaded = torch.load(two / "loaded.pt", weights_only=True)
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+
+
+def test_an_epoch_scheduler_keeps_its_epoch_count_while_a_step_scheduler_is_rescaled():
+    """Another global batch rescales the count of a scheduler stepped with the
+    optimizer (it counts batches); one of ``scheduler_interval="epoch"``
+    counts epochs, which mean the same on any number of processes."""
+    from types import SimpleNamespace
+
+    from hookloop.checkpointing.elastic import Plan, scale_schedulers
+
+    per_step, per_epoch = object(), object()
+    loop = SimpleNamespace(
+        accelerator=SimpleNamespace(_schedulers=[per_step, per_epoch]),
+        networks={"a": SimpleNamespace(scheduler=per_step, scheduler_interval="step"),
+                  "b": SimpleNamespace(scheduler=per_epoch, scheduler_interval="epoch")})
+    staged = SimpleNamespace(schedulers=[{"last_epoch": 12, "_step_count": 13},
+                                         {"last_epoch": 3, "_step_count": 4}])
+    scale_schedulers(loop, staged, Plan(processes=(2, 1), scheduler_ratio=(2, 1)))
+    assert staged.schedulers == [{"last_epoch": 24, "_step_count": 25}, {"last_epoch": 3, "_step_count": 4}]

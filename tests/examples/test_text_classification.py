@@ -1,4 +1,4 @@
-"""The brief's workload: fine-tuning a transformer for sequence classification
+"""The reference workload's workload: fine-tuning a transformer for sequence classification
 (hookloop.examples.text_classification) trains exactly like the hand-written
 Accelerate loop, follows the warm-up schedule, runs offline, and runs in two
 processes with one log and every test example counted once."""
@@ -48,8 +48,8 @@ def _log(path):
 
 
 def _hand_written(model_dir, args):
-    """The brief's loop, by hand: same seed, same data, same recipe. Evaluates
-    after each epoch as the brief does (a DataLoader iterator draws from the
+    """The reference workload's loop, by hand: same seed, same data, same recipe. Evaluates
+    after each epoch as the reference workload does (a DataLoader iterator draws from the
     global RNG, so skipping evaluation would change the next epoch)."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed

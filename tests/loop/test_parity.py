@@ -1,4 +1,4 @@
-"""Loop with its default plugins equals the brief's hand-written loop, bit for bit."""
+"""Loop with its default plugins equals the reference workload's hand-written loop, bit for bit."""
 
 import pytest
 import torch

@@ -41,8 +41,9 @@ class Watch:
         self.seen += loop.accelerator.gather_for_metrics(outputs).shape[0]
 
     @hookimpl
-    def on_eval_end(self):
-        self.evaluations.append(self.seen)
+    def on_eval_end(self, loop):
+        if loop.state.stage == "eval":  # not the sanity check (stage "sanity")
+            self.evaluations.append(self.seen)
 
 
 def mlp(hidden):

@@ -2,7 +2,7 @@
 --num_processes 2` on CPU (gloo, DDP-wrapped model).
 
 For gradient accumulation 1 and 2, each rank trains the same job twice on the
-same Accelerator: once with the brief's hand-written loop, once with a
+same Accelerator: once with the reference workload's hand-written loop, once with a
 hookloop Loop (whose Accelerate fast path is on), then writes what the test
 compares to OUT/rank-<r>.json.
 """

@@ -25,8 +25,9 @@ class SeenIds:
         self.evaluations = []
 
     @hookimpl
-    def on_eval_start(self):
-        self.evaluations.append([])
+    def on_eval_start(self, loop):
+        if loop.state.stage == "eval":  # not the sanity check (stage "sanity")
+            self.evaluations.append([])
 
     @hookimpl
     def after_eval_step(self, loop, batch):

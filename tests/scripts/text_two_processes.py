@@ -31,8 +31,9 @@ class GatheredEval:
         self.runs = []
 
     @hookimpl
-    def on_eval_start(self):
-        self.runs.append({"eval_loss": [], "eval_accuracy": []})
+    def on_eval_start(self, loop):
+        if loop.state.stage == "eval":  # not the sanity check (stage "sanity")
+            self.runs.append({"eval_loss": [], "eval_accuracy": []})
 
     @hookimpl(wrapper=True)
     def after_eval_step(self, loop):

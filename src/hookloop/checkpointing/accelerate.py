@@ -110,18 +110,29 @@ def _index(objects, obj):
     return next((i for i, o in enumerate(objects) if o is obj), None)
 
 
-def describe_networks(loop) -> dict:
+def scheduler_objects(acc) -> list:
+    """The schedulers ``save_state`` writes as ``scheduler*.bin``, in order
+    (under DeepSpeed not those its engine saves, as Accelerate filters them)."""
+    kind = getattr(acc.distributed_type, "name", "")
+    if kind == "MEGATRON_LM":
+        return []
+    if kind == "DEEPSPEED":
+        return [s for s in acc._schedulers if type(s).__name__ != "DeepSpeedSchedulerWrapper"]
+    return acc._schedulers
+
+
+def describe_networks(loop, files=None, unprepared=None) -> dict:
     """Which of Accelerate's files holds each network's model, optimizer and
-    scheduler."""
+    scheduler. ``files(part, i)``: the name of the i-th prepared part's file
+    (default: the plain format's); ``unprepared(name, net, part)``: the entry
+    of a part Accelerate did not prepare, or None (refused)."""
     acc = loop.accelerator
     out = {}
+    names = {"model": model_file, "optimizer": optimizer_file, "scheduler": scheduler_file}
     for name, net in loop.networks.items():
         entry = {}
-        for part, objects, file in (
-            ("model", acc._models, model_file),
-            ("optimizer", acc._optimizers, optimizer_file),
-            ("scheduler", acc._schedulers, scheduler_file),
-        ):
+        for part, objects in (("model", acc._models), ("optimizer", acc._optimizers),
+                              ("scheduler", scheduler_objects(acc))):
             obj = getattr(net, part)
             if obj is None:
                 entry[part] = None
@@ -129,13 +140,16 @@ def describe_networks(loop) -> dict:
             i = _index(objects, obj)
             if i is None and part == "model":  # Accelerate keeps DDP's inner module
                 i = _index(objects, net.unwrapped)
+            if i is None and unprepared is not None and (own := unprepared(name, net, part)):
+                entry[part] = own
+                continue
             if i is None:
                 raise CheckpointError(
                     f"network {name!r}: its {part} was not prepared by loop.accelerator, so "
                     "accelerator.save_state would not save it. Let the Loop prepare it "
                     "(prepare=True), or prepare it with the same accelerator."
                 )
-            entry[part] = file(i)
+            entry[part] = files(part, i) if files is not None else names[part](i)
         out[name] = entry
     return out
 
@@ -216,12 +230,11 @@ def safetensors_load(source, rel: str, where: str, what: str) -> dict:
 # -- committing staged states, as accelerator.load_state does ----------------------------
 
 
-def commit(loop, staged, custom: list, where: str) -> None:
+def commit(loop, staged, custom: list, where: str, networks=None) -> None:
     """Put the staged states (a :class:`~.staging.Staged`) into the loop's
     objects, as ``accelerator.load_state`` does (same objects, same order,
-    same values)."""
-    from accelerate.utils import DistributedType
-
+    same values). ``networks(apply)``: restores the models and optimizers
+    of a sharded format instead (:func:`~.formats.commit`)."""
     acc = loop.accelerator
     path = staged.path
 
@@ -232,20 +245,17 @@ def commit(loop, staged, custom: list, where: str) -> None:
             raise CheckpointError(f"{where}: restoring {what} from {rel} failed after it was "
                                   f"checked: {type(exc).__name__}: {exc}") from exc
 
-    if acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED,
-                                DistributedType.MEGATRON_LM):
-        # sharded formats: verified above, loaded by Accelerate itself
-        apply("Accelerate's state", str(path), lambda: acc.load_state(str(path)))
-        return
     for hook in acc._load_model_state_pre_hook.values():
-        hook(list(acc._models), str(path))
-    for i, model in enumerate(acc._models):
+        hook(list(acc._models) if networks is None else [], str(path))
+    if networks is not None:  # a sharded format's own loaders, on files verified before
+        networks(apply)
+    for i, model in enumerate(acc._models if networks is None else ()):
         apply(f"the weights of accelerator model #{i}", model_file(i),
               lambda m=model, s=staged.models[i]: _load_model_state(m, s))
-    for i, opt in enumerate(acc._optimizers):
+    for i, opt in enumerate(acc._optimizers if networks is None else ()):
         apply("an optimizer state", optimizer_file(i),
               lambda o=opt, s=staged.optimizers[i]: o.load_state_dict(s))
-    for i, scheduler in enumerate(acc._schedulers):
+    for i, scheduler in enumerate(scheduler_objects(acc)):
         apply("a scheduler state", scheduler_file(i),
               lambda o=scheduler, s=staged.schedulers[i]: o.load_state_dict(s))
     _commit_dataloaders(acc, staged, where)

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..batches import length_of, loader_batch_size
 from ..rng import generator_roles
 from . import accelerate as accel
-from . import elastic, safe_read
+from . import elastic, formats, safe_read
 from .codec import stateful_plugins
 from .elastic import SETTINGS, Plan  # noqa: F401 - SETTINGS: importable from here as in 0.3.0
 from .errors import CheckpointError
@@ -83,6 +83,7 @@ def check_resume(loop, path: Path, doc: dict, strict: bool) -> tuple[list[str], 
     size). Returns the warnings to give (non-strict mismatches, a mapped
     position) and the plan."""
     where = f"checkpoint {str(path)!r}"
+    formats.check_resume(loop, doc, where)  # the same format (and, sharded, processes)
     _check_networks(loop, path, doc, where)
     plan = elastic.plan(loop, path, doc, run_settings(loop), strict)
     return plan.messages + _check_plugins(loop, doc, where, strict), plan
@@ -100,7 +101,7 @@ def _check_networks(loop, path: Path, doc: dict, where: str) -> None:
         raise CheckpointError(
             f"{where} holds networks {list(saved_nets)}; this loop has {list(loop.networks)}"
         )
-    now = accel.describe_networks(loop)
+    now = formats.describe_networks(loop)
     for name, entry in now.items():
         for part in ("model", "optimizer", "scheduler"):
             if (entry[part] is None) != (saved_nets[name].get(part) is None):
@@ -129,6 +130,8 @@ def _check_networks(loop, path: Path, doc: dict, where: str) -> None:
                     f"a {_short(current)} ({current}): the state of one does not fit the other. "
                     f"Resume with the {part} the checkpoint was written with"
                 )
+    if "sharding" in doc:  # the shapes in DCP's metadata; none in a FULL_STATE_DICT / DeepSpeed file
+        return formats.check_shapes(loop, path, doc, where)
     owner = {entry["model"]: name for name, entry in now.items()}
     for index, model in enumerate(accel.models(acc)):
         file = accel.model_file(index)

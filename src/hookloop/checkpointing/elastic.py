@@ -381,14 +381,19 @@ def scale_schedulers(loop, staged, plan: Plan) -> None:
     ``plan.scheduler_ratio``: such a scheduler counts batches of batch_size
     x gradient_accumulation_steps examples (once per process per update), so
     a count means other examples when that changes. Nested schedulers
-    (``SequentialLR``, ``ChainedScheduler``: ``_schedulers``) are scaled too."""
+    (``SequentialLR``, ``ChainedScheduler``: ``_schedulers``) are scaled too.
+    A ``scheduler_interval="epoch"`` scheduler counts epochs, whatever the
+    number of processes: never scaled."""
     if plan.scheduler_ratio is None:
         return
     num, den = plan.scheduler_ratio
     live = loop.accelerator._schedulers
+    per_epoch = {id(n.scheduler) for n in loop.networks.values()
+                 if n.scheduler is not None and n.scheduler_interval == "epoch"}
     for i, state in enumerate(staged.schedulers):
         scheduler = live[i] if i < len(live) else None
-        if scheduler is not None and getattr(scheduler, "step_with_optimizer", True) is False:
+        if scheduler is not None and (getattr(scheduler, "step_with_optimizer", True) is False
+                                      or id(scheduler) in per_epoch):
             continue
         staged.schedulers[i] = _scaled(state, num, den)
 

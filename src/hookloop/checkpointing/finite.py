@@ -51,6 +51,13 @@ def _floating(t) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
+def _local(t):
+    """A sharded tensor's own shard (a DTensor's ``to_local()``: no
+    communication; every rank checks its own, and they agree), else ``t``."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 # -- saving ----------------------------------------------------------------------------
 
 
@@ -67,14 +74,14 @@ def state_tensors(loop):
                 if id(t) in seen or not _floating(t):
                     continue
                 seen.add(id(t))
-                yield name, f"{label} {key!r}", t.detach()
+                yield name, f"{label} {key!r}", _local(t.detach())
         optimizer = getattr(net.optimizer, "optimizer", net.optimizer)
         for param, state in (getattr(optimizer, "state", None) or {}).items():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and id(value) not in seen and _floating(value):
                     seen.add(id(value))
                     yield (name, f"optimizer state {key!r} of parameter "
-                                 f"{names.get(id(param), '?')!r}", value.detach())
+                                 f"{names.get(id(param), '?')!r}", _local(value.detach()))
 
 
 def first_nonfinite_update(loop, after: int = 0):

@@ -14,7 +14,7 @@ import torch
 
 from ..rng import Resume, capture_rng
 from . import accelerate as accel
-from . import elastic
+from . import elastic, formats
 from .codec import stateful_plugins
 from .collective import every_rank
 from .compat import check_resume
@@ -295,7 +295,7 @@ def load(loop, path, *, strict: bool = True, trust_pickles=None, staged: Staged 
             raise
 
     elastic.scale_schedulers(loop, staged, plan)
-    accel.commit(loop, staged, custom, where)  # (a rank the checkpoint lacks: derived random states)
+    formats.commit(loop, staged, custom, where)  # (a rank the checkpoint lacks: derived random states)
     rng = capture_rng()
     state = loop.state  # the run state, whole: position, run, this process's epoch
     state.load_state_dict(doc["loop"])
@@ -365,11 +365,11 @@ def _check_optimizers(loop, staged: Staged, where: str, groups: bool) -> None:
     param groups (after early plugin restores); else the rest."""
     acc = loop.accelerator
     names = {}
-    for name, entry in accel.describe_networks(loop).items():
+    for name, entry in formats.describe_networks(loop).items():
         if entry.get("optimizer"):
             names[entry["optimizer"]] = name
     known_classes = bool(staged.doc.get("classes"))
-    for i, opt in enumerate(accel.optimizers(acc)):
+    for i, opt in enumerate(accel.optimizers(acc)[:len(staged.optimizers)]):  # sharded: none
         rel = accel.optimizer_file(i)
         network = names.get(rel, f"#{i}")
         inner = getattr(opt, "optimizer", opt)

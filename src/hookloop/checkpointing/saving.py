@@ -23,7 +23,7 @@ import torch
 
 from .._version import __version__
 from . import accelerate as accel
-from . import codec, finite, layout, manifest
+from . import codec, finite, formats, layout, manifest
 from .collective import every_rank
 from .compat import run_settings
 from .errors import CheckpointError
@@ -66,7 +66,8 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
     name = name or layout.checkpoint_name(position["global_step"], epoch_end)
     final = root / name
     tmp = root / f"{TMP_PREFIX}{name}-{tmp_tag(loop)}"  # every rank writes into the main's
-    networks = accel.describe_networks(loop)
+    networks = formats.describe_networks(loop)
+    sharding = formats.describe(loop)  # None: the plain format
     states = {n: p.state_dict() for n, p in codec.stateful_plugins(loop)}  # every rank: may be collective
     main = acc.is_main_process
 
@@ -99,7 +100,9 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
                             describe=failed(f"process {acc.process_index} could not write into {tmp}")):
                 with accel.manual_naming(acc):
                     acc.save_state(str(tmp))
+                own = formats.save(loop, tmp, sharding) if sharding is not None else None
                 codec.write_rank_file(tmp / RANK_FILE.format(rank=acc.process_index), loop)
+            shards = formats.gather(acc, own, sharding) if sharding is not None else None
 
             finishing = failed(f"cannot finish checkpoint {final}")
             with every_rank(acc, catch=Exception,
@@ -107,7 +110,7 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
                 if main:
                     check_rank_files(tmp, final, acc.num_processes)  # before anything is published
                     final, replaced = _finish(loop, tmp, final, position, networks, plugins, tensors,
-                                              reason, monitor, update_latest)
+                                              reason, monitor, update_latest, shards)
                     if update_latest:
                         layout.write_latest(root, final.name)
                     if replaced is not None:  # an older save of this position, now that latest moved on
@@ -180,18 +183,23 @@ def tmp_tag(loop) -> str:
 
 
 def _finish(loop, tmp: Path, final: Path, position, networks, plugins, tensors, reason,
-            monitor=None, update_latest=True) -> tuple[Path, Path | None]:
+            monitor=None, update_latest=True, shards=None) -> tuple[Path, Path | None]:
     """Main process: hookloop's files, fsync, rename into place. Returns
     where it landed and the checkpoint it replaces (to delete once
-    ``latest`` names the new one), as :func:`publish` does."""
+    ``latest`` names the new one), as :func:`publish` does. ``shards``: a
+    sharded format's (:func:`~.formats.gather`): the files each rank
+    fsynced and checksummed itself, and the manifest's ``sharding``."""
     from safetensors.torch import save_file
 
     import accelerate
 
     save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": FORMAT})
     files, crcs = {}, {}
+    known = shards["known"] if shards else {}
     for file in sorted(tmp.rglob("*")):
-        if file.is_file():
+        if file.is_file() and (rel := file.relative_to(tmp).as_posix()) in known:
+            files[rel], crcs[rel] = known[rel]  # fsynced and checksummed by the rank that wrote it
+        elif file.is_file():
             layout.fsync_file(file)
             rel = file.relative_to(tmp).as_posix()
             files[rel] = file.stat().st_size
@@ -224,6 +232,8 @@ def _finish(loop, tmp: Path, final: Path, position, networks, plugins, tensors, 
     }
     if monitor is not None:
         doc["monitor"] = monitor
+    if shards:
+        doc["sharding"] = shards["manifest"]
     doc[manifest.SELF_CRC] = manifest.manifest_crc(doc)
     with open(tmp / STATE_FILE, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import accelerate as accel
+from . import formats
 from .codec import check_rng, from_data, parse_rank_file
 from .errors import CheckpointError, first_line
 from .finite import check_staged_finite
@@ -42,6 +43,8 @@ class Staged:
     #: processes than the checkpoint's, 0's for a rank it does not have
     #: (:func:`~.loading.load` derives that rank's random states from them)
     source_rank: int | None = None
+    #: a sharded format's verified share (:func:`~.formats.stage`); None: plain
+    sharded: formats.Sharded | None = None
 
 
 def stage(path, doc: dict | None = None, process_index: int | None = None) -> Staged:
@@ -93,8 +96,11 @@ def _stage(path: Path, doc: dict, process_index: int | None) -> Staged:
         with verified(path, rel, doc, where, what) as opened:
             return opened.read()
 
+    sharding = doc.get("sharding")  # None: the plain format
+    sharded = formats.stage(path, doc, rank, where) if sharding is not None else None
+    plain = sharding is None or sharding["accelerate"]["format"] == formats.PLAIN
     models = []
-    for i in range(counts["models"]):
+    for i in range(counts["models"] if plain else 0):
         rel = accel.model_file(i)
         what = owner.get(rel, f"the weights of accelerator model #{i}")
         if rel not in doc["files"] and accel.legacy_model_file(i) in doc["files"]:
@@ -103,7 +109,7 @@ def _stage(path: Path, doc: dict, process_index: int | None) -> Staged:
         else:
             models.append(load(accel.safetensors_load, rel, what))
     optimizers = []
-    for i in range(counts["optimizers"]):
+    for i in range(counts["optimizers"] if plain else 0):
         rel = accel.optimizer_file(i)
         what = owner.get(rel, f"the state of accelerator optimizer #{i}")
         state = load(accel.torch_load, rel, what)
@@ -113,7 +119,7 @@ def _stage(path: Path, doc: dict, process_index: int | None) -> Staged:
                                   "state_dict (no 'state' and 'param_groups')")
         optimizers.append(state)
     schedulers = []
-    for i in range(counts["schedulers"]):
+    for i in range(counts["schedulers"] if plain else sharding["scheduler_files"]):
         rel = accel.scheduler_file(i)
         what = owner.get(rel, f"the state of accelerator scheduler #{i}")
         schedulers.append(load(accel.torch_load, rel, what))
@@ -163,4 +169,4 @@ def _stage(path: Path, doc: dict, process_index: int | None) -> Staged:
 
     check_staged_finite(models, optimizers, doc, where)
     return Staged(path, doc, rank, models, optimizers, schedulers, rng, scaler, extra, custom,
-                  epoch_start, generators, plugin_states, logged, source)
+                  epoch_start, generators, plugin_states, logged, source, sharded)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from . import accelerate as accel
+from . import formats
 from . import safe_read
 from .collective import every_rank
 from .compat import compare_shapes
@@ -43,7 +44,13 @@ def load_weights(loop, path, *, staged=None) -> Path:
         raise CheckpointError(f"{where}: load_checkpoint(weights_only=True) reads whole models, and "
                               f"this run's models are sharded ({kind}): resume it with "
                               "load_checkpoint(path) on the same number of processes instead")
-    now = accel.describe_networks(loop)  # network -> {"model": its file in this run, ...}
+    now = formats.describe_networks(loop)  # network -> {"model": its file in this run, ...}
+    sharded = [name for name, entry in now.items() if str(entry["model"]).startswith(f"{formats.DCP_DIR}/")]
+    if sharded:
+        raise CheckpointError(f"{where}: load_checkpoint(weights_only=True) reads whole models, and "
+                              f"this run's network(s) {', '.join(map(repr, sharded))} are sharded "
+                              "(fully_shard): resume with load_checkpoint(path) on the same number of "
+                              "processes instead")
     index = {accel.model_file(i): i for i in range(len(accel.models(acc)))}
     states = {}
     with every_rank(acc):  # every process fails together, none waits

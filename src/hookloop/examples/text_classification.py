@@ -1,6 +1,6 @@
 """Fine-tune a transformer for sequence classification with hookloop.
 
-The job of the brief, as a Hugging Face user writes it: a model by name through
+The reference workload, as a Hugging Face user writes it: a model by name through
 ``AutoModelForSequenceClassification.from_pretrained``, its ``AutoTokenizer``,
 data from ``datasets`` tokenised with ``.map`` and padded per batch by
 ``DataCollatorWithPadding``, ``Adam(lr=2e-5)`` with a linear schedule that
