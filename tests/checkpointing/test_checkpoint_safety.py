@@ -256,8 +256,8 @@ def test_trusted_by_name_a_pickle_loads_and_plain_data_needs_no_trust(tmp_path):
     assert obj.loaded["payload"]["n"] == 2 and torch.equal(obj.loaded["payload"]["w"], torch.arange(3))
 
 
-def test_the_readme_says_what_is_true_of_pickles():
-    readme = (ROOT / "README.md").read_text()
+def test_the_guide_says_what_is_true_of_pickles():
+    readme = (ROOT / "docs" / "guide.md").read_text()
     assert "register_for_checkpointing" in readme and "trust_pickles" in readme
 
 

@@ -35,10 +35,13 @@ def test_the_plugin_guide_runs_and_does_what_it_says(capsys):
 # -- the GAN demo's figures -----------------------------------------------------------
 
 
+DEMOS = ROOT / "docs" / "demos.md"
+
+
 def gan_figures():
-    """What the README says `hookloop demo` prints: the seed-0 table and the
-    ranges over seeds 0-3."""
-    text = README.read_text()
+    """What docs/demos.md says `hookloop demo` prints: the seed-0 table and
+    the ranges over seeds 0-3."""
+    text = DEMOS.read_text()
     section = text.split("What `hookloop demo` prints", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for label, key in (("trained generator", "trained"), ("untrained generator", "untrained"),

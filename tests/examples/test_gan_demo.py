@@ -151,8 +151,8 @@ def test_hookloop_demo_runs_the_gan_and_starts_clean(tmp_path):
 
 @pytest.mark.slow
 def test_default_demo_quality(tmp_path):
-    """The README's numbers: the full default run (about a minute on 2 cores)
-    is held to what the README says `hookloop demo` prints."""
+    """docs/demos.md's numbers: the full default run is held to what
+    docs/demos.md says `hookloop demo` prints."""
     from test_readme import held_to_the_readme
 
     report = gan_digits.run(["--out", str(tmp_path), "--no-progress"])
@@ -163,7 +163,7 @@ def test_default_demo_quality(tmp_path):
 
 
 def test_the_readme_check_catches_drifted_figures():
-    """The check above fails on figures the README does not state."""
+    """The check above fails on figures docs/demos.md does not state."""
     import json as _json
 
     from test_readme import gan_figures, held_to_the_readme
@@ -171,7 +171,7 @@ def test_the_readme_check_catches_drifted_figures():
     rows, ranges = gan_figures()
     report = {"trained": dict(rows["trained"]), "untrained": dict(rows["untrained"]),
               "real": dict(rows["real"]), "judge_accuracy": ranges["judge"]}
-    held_to_the_readme(_json.loads(_json.dumps(report)))  # the README's own figures pass
+    held_to_the_readme(_json.loads(_json.dumps(report)))  # the documented figures pass
     for key, value in (("frechet", ranges["frechet"][1] + 2), ("recognisable", 0.5), ("coverage", 7)):
         drifted = {**report, "trained": {**report["trained"], key: value}}
         with pytest.raises(AssertionError):

@@ -467,7 +467,7 @@ def test_the_guide_s_table_names_every_lightning_callback_and_every_new_built_in
     toml = (ROOT / "plugins" / "hookloop-early-stopping" / "pyproject.toml").read_text()
     entry = re.search(r"\[project.entry-points.hookloop\]\n(\S+) =", toml).group(1)
     assert f'("{entry}", {{"monitor"' in section
-    readme = (ROOT / "README.md").read_text().split("### Built-in plugins", 1)[1].split("\n## ", 1)[0]
+    readme = (ROOT / "docs" / "guide.md").read_text().split("## Built-in plugins", 1)[1].split("\n## ", 1)[0]
     for name, cls in BUILTINS.items():
         if cls in (GradientAccumulationScheduler, LambdaCallback, LearningRateMonitor, ModelSummary,
                    ThroughputMonitor, Timer):
