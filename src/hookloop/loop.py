@@ -64,7 +64,8 @@ class Loop:
         through ``accelerator.prepare`` (set False if you prepared them).
     :param resume_from: restore a checkpoint now (see :meth:`load_checkpoint`):
         ``"latest"`` (nothing saved yet: start from scratch), ``"best"``, a
-        checkpoint directory, or a checkpoint root (its latest).
+        checkpoint directory, a checkpoint root (its latest), or a folder of
+        ``accelerator.save_state`` named ``epoch_<e>`` or ``step_<n>``.
     :param scheduler_interval: ``"step"`` (every update) or ``"epoch"``, and
         ``scheduler_frequency``, for ``scheduler=`` (Lightning's ``interval``
         and ``frequency``; with ``networks=``, on each :class:`Network`).
@@ -473,11 +474,13 @@ class Loop:
     # -- checkpoints ---------------------------------------------------------------
 
     def load_checkpoint(self, path="latest", *, strict: bool = True, trust_pickles=(),
-                        weights_only: bool = False):
+                        weights_only: bool = False, position=None):
         """Restore a checkpoint written by :class:`hookloop.plugins.Checkpoint`:
         every network's model, optimizer and scheduler, every process's
         random states, the run state and each stateful plugin's state; the
-        next :meth:`fit` continues exactly where that run was.
+        next :meth:`fit` continues exactly where that run was. A folder of a
+        plain ``accelerator.save_state`` continues as its script would
+        (``docs/checkpoints.md``, Continuing a hand-written script's run).
 
         Everything is checked before anything changes; a missing, foreign or
         truncated checkpoint, one from another model shape or another set of
@@ -499,6 +502,9 @@ class Loop:
         :param weights_only: a new run from the checkpoint's weights alone
             (every network's model; also of Accelerate's plain format), on any
             number of processes; the loop keeps its position and run id.
+        :param position: where an ``accelerator.save_state`` folder's run was, if
+            its name does not say (``epoch_<e>``, ``step_<n>``): the same strings,
+            or ``{"epoch": e, "step_in_epoch": batches}``.
         :return: the checkpoint directory, or None (``"latest"``, none saved).
         """
         root = checkpointing.checkpoint_root(self)
@@ -510,8 +516,14 @@ class Loop:
             return None
         if weights_only:  # a new run from the weights: the loop's state, run id and plugins stay
             return checkpointing.load_weights(self, found, staged=staged)
-        self._resume = checkpointing.load(self, found, strict=strict, staged=staged,
-                                          trust_pickles=list(trust_pickles) or None)
+        script = checkpointing.script_folder(found)  # a hand-written script's save_state
+        if script is not None or position is not None:
+            self._resume = checkpointing.load_script(self, script or found, position=position,
+                                                     strict=strict, trust_pickles=list(trust_pickles) or None)
+            found = self._resume.path
+        else:
+            self._resume = checkpointing.load(self, found, strict=strict, staged=staged,
+                                              trust_pickles=list(trust_pickles) or None)
         self.resumed_from = found
         return found
 

@@ -7,6 +7,7 @@ before it (hookloop 0.1's checkpointing) and passes now.
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import traceback
@@ -488,7 +489,8 @@ def test_an_optimizer_file_with_foreign_objects_never_suggests_weights_only_fals
     with pytest.raises(CheckpointError) as info:
         make(tmp_path, resume_from=ckpt)
     shown = "".join(traceback.format_exception(info.value))
-    assert "optimizer.bin" in str(info.value) and "it refers to io.open" in str(info.value)
+    assert "optimizer.bin" in str(info.value)
+    assert re.search(r"it refers to _?io\.open", str(info.value))  # (Python 3.13 pickles it as _io.open)
     assert "weights_only=False" not in shown and "`weights_only` set to `False`" not in shown
     assert not (tmp_path / "code-ran").exists()
 

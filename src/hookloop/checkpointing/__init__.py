@@ -78,6 +78,7 @@ the epoch replay are :mod:`hookloop.rng`'s):
     elastic     another cut of the global batch: the data position in examples,
                 what maps and what is re-derived on another number of processes
     weights     load_weights: a new run from a checkpoint's weights alone
+    script_state  load_script: continue a hand-written script's ``save_state`` folder
     policy      CheckpointPolicy: what the I/O needs from the Checkpoint plugin
 """
 
@@ -103,6 +104,8 @@ from .manifest import read_manifest
 from .policy import CheckpointPolicy, best_checkpoint_path, checkpoint_plugins, checkpoint_root
 from .runs import RunIdentity, best_checkpoints, foreign_checkpoints, owns, run_identity
 from .saving import save
+from .script_state import load as load_script
+from .script_state import script_folder
 from .staging import Staged, stage
 from .weights import load_weights
 
@@ -144,6 +147,7 @@ __all__ = [
     "foreign_checkpoints",
     "list_checkpoints",
     "load",
+    "load_script",
     "load_weights",
     "owns",
     "read_latest",
@@ -152,6 +156,7 @@ __all__ = [
     "run_identity",
     "run_settings",
     "save",
+    "script_folder",
     "stage",
     "stateful_plugins",
 ]
