@@ -191,7 +191,7 @@ def test_latest_linked_to_dev_zero_is_refused_at_once(root):
     def cap():  # an unbounded read meets a MemoryError here, not the machine's memory
         import resource
 
-        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # a CUDA torch maps ~4 GiB at import
 
     try:
         done = subprocess.run([sys.executable, "-c", CHILD, str(root)], capture_output=True, text=True,

@@ -19,7 +19,10 @@ from .errors import CheckpointError, first_line
 _ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
             ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
             ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-            ("pathlib", "PureWindowsPath"), ("pathlib", "Path")}
+            ("pathlib", "PureWindowsPath"), ("pathlib", "Path"),
+            ("pathlib._local", "PosixPath"), ("pathlib._local", "PurePosixPath"),  # Python 3.13
+            ("pathlib._local", "WindowsPath"), ("pathlib._local", "PureWindowsPath"),
+            ("pathlib._local", "Path")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
