@@ -1,0 +1,59 @@
+"""hookloop's annotations as a plugin author's type checker sees them: the
+package ships ``py.typed``, and a typed plugin using ``loop.state.global_step``
+checks clean under ``mypy --strict`` while a misspelt attribute is rejected.
+
+mypy's first run analyses torch (about a minute and a half); its cache lives
+in the system temporary folder, so later runs take seconds."""
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from paths import ROOT
+
+PLUGIN = '''\
+from hookloop import Loop, LoopState, hookimpl
+
+
+class EveryTen:
+    @hookimpl
+    def after_step(self, loop: Loop) -> None:
+        state: LoopState = loop.state
+        step: int = state.{attribute}
+        if step % 10 == 0:
+            loop.print(f"step {{step}} of {{loop.total_steps}}")
+            loop.stop("enough")
+'''
+
+
+def mypy(*paths):
+    pytest.importorskip("mypy")
+    cache = Path(tempfile.gettempdir()) / "hookloop-mypy-cache"
+    # the plugin author's settings, not the project's: strict for their
+    # file, hookloop read from its annotations without checking its bodies
+    command = [sys.executable, "-m", "mypy", "--config-file", os.devnull,
+               "--strict", "--follow-imports=silent", "--ignore-missing-imports",
+               "--no-error-summary", "--cache-dir", str(cache), *map(str, paths)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_the_package_ships_py_typed():
+    assert (ROOT / "src" / "hookloop" / "py.typed").is_file()
+    assert 'hookloop = ["py.typed"]' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_a_typed_plugin_checks_clean_and_a_misspelt_attribute_is_rejected(tmp_path):
+    good, bad = tmp_path / "good_plugin.py", tmp_path / "bad_plugin.py"
+    good.write_text(PLUGIN.format(attribute="global_step"))
+    bad.write_text(PLUGIN.format(attribute="global_stepp"))
+    status, output = mypy(good, bad)
+    errors = [line for line in output.splitlines() if ": error:" in line]
+    assert status == 1
+    # (by file name: mypy's cache may name the same module's file of an earlier run)
+    assert [Path(e.split(":")[0]).name for e in errors] == [bad.name], output  # good is clean
+    assert '"LoopState" has no attribute "global_stepp"' in errors[0]
