@@ -215,12 +215,21 @@ _live_saves: set[str] = set()
 @contextlib.contextmanager
 def live_save(tmp: Path):
     """Mark ``tmp`` as a save in progress of this process for the block."""
-    key = os.path.realpath(tmp)
-    _live_saves.add(key)
+    mark_live(tmp)
     try:
         yield
     finally:
-        _live_saves.discard(key)
+        unmark_live(tmp)
+
+
+def mark_live(tmp: Path) -> None:
+    """``tmp`` is a save in progress of this process (until
+    :func:`unmark_live`; an asynchronous save's outlives the call)."""
+    _live_saves.add(os.path.realpath(tmp))
+
+
+def unmark_live(tmp: Path) -> None:
+    _live_saves.discard(os.path.realpath(tmp))
 
 
 def clean(root) -> None:

@@ -1,6 +1,8 @@
 """Writing a checkpoint: refuse what must not be saved, let Accelerate and
 every rank write into a temporary directory, add hookloop's files and the
-manifest, fsync, rename into place, point ``latest`` at it, rotate.
+manifest, fsync, rename into place, point ``latest`` at it, rotate; the
+heavy files and everything after them in a background thread when the
+save is asynchronous (:func:`wait`, :func:`poll`).
 
 A save killed at any point leaves the previous checkpoint intact and
 ``latest`` naming a complete one. The steps that a test or a benchmark
@@ -11,7 +13,6 @@ replaces are looked up in their modules at each call
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -23,17 +24,19 @@ import torch
 
 from .._version import __version__
 from . import accelerate as accel
-from . import codec, finite, formats, layout, manifest
+from . import codec, finite, formats, host_copy, layout, manifest, writer
 from .collective import every_rank
 from .compat import run_settings
-from .errors import CheckpointError
+from .errors import CheckpointError, NonFiniteCheckpoint
 from .layout import FORMAT, RANK_FILE, STATE_FILE, TENSORS_FILE, TMP_PREFIX, TRASH_PREFIX, VERSION
+from .rotation import _remove, rotate  # noqa: F401 - importable from here (0.2)
 from .runs import describe_run, owns, run_identity
+from .writer import poll, wait, write_error, write_files  # noqa: F401 - importable from here
 
 
 def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None = None,
          update_latest: bool = True, keep_last: int | None = None, monitor: dict | None = None,
-         keep=()) -> Path:
+         keep=(), asynchronous: bool = False, on_published=None) -> Path:
     """Write a checkpoint of ``loop`` into ``root`` atomically; every process
     must call this (each writes its random states). Returns its directory.
 
@@ -50,8 +53,18 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
         metric this checkpoint was evaluated at, ``{"key", "value", "mode"}``;
         :func:`best_checkpoints` ranks checkpoints by it.
     :param keep: names rotation never deletes (the best ``save_top_k``).
+    :param asynchronous: copy the state to host memory and return; a
+        background thread writes the files, checksums, fsyncs, publishes,
+        points ``latest`` and rotates (:mod:`.writer`). The directory
+        returned is where it will be published; until then ``latest`` names
+        the previous checkpoint. :func:`wait` (every process) waits for it
+        and raises a :class:`CheckpointError` naming it if it failed; the
+        next save waits for it first (at most one in flight).
+    :param on_published: called with the published directory, on the
+        training thread, when the save is settled (at once without
+        ``asynchronous``; else in :func:`wait` or :func:`poll`).
 
-    Refused before anything is written, on every process: a non-finite
+    Refused on every process, with nothing published: a non-finite
     parameter or optimizer state (:class:`NonFiniteCheckpoint`, naming the
     network, the tensor and, when a plugin recorded it, the first update
     whose gradient norm was not finite); plugin state that is not data; a
@@ -59,6 +72,7 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
     ``no space left on <dir>``.
     """
     acc = loop.accelerator
+    wait(loop)  # at most one save in flight: this one waits for the previous one
     root = Path(root)
     position = loop.state.state_dict()
     if epoch_end:
@@ -68,14 +82,19 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
     tmp = root / f"{TMP_PREFIX}{name}-{tmp_tag(loop)}"  # every rank writes into the main's
     networks = formats.describe_networks(loop)
     sharding = formats.describe(loop)  # None: the plain format
+    # the plain format is written by hookloop from Accelerate's state dicts (host_copy);
+    # anything else by Accelerate's save_state, synchronously
+    plain = sharding is None and host_copy.supported(acc)
+    background = asynchronous and plain
     states = {n: p.state_dict() for n, p in codec.stateful_plugins(loop)}  # every rank: may be collective
     main = acc.is_main_process
 
     def failed(what, refusals=False):  # an error as a write error's message (a full disk named so)
-        return lambda exc: (exc if refusals and isinstance(exc, CheckpointError)
-                            else write_error(exc, root, what))
+        return lambda exc: (exc if (refusals and isinstance(exc, CheckpointError))
+                            or isinstance(exc, NonFiniteCheckpoint) else write_error(exc, root, what))
 
-    refusal = finite.refuse_nonfinite(loop, root, name, position["global_step"])  # every rank: its own memory
+    # every rank checks its own memory; an asynchronous save checks while it copies
+    refusal = None if background else finite.refuse_nonfinite(loop, root, name, position["global_step"])
     plugins, tensors = {}, {}
     with every_rank(acc, catch=(CheckpointError, OSError),
                     describe=failed(f"cannot create {tmp}", refusals=True)):
@@ -94,37 +113,113 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
 
-    with layout.live_save(tmp):  # (layout.clean leaves it alone)
-        try:
-            with every_rank(acc, catch=Exception,
-                            describe=failed(f"process {acc.process_index} could not write into {tmp}")):
+    layout.mark_live(tmp)  # (layout.clean leaves it alone until the save is over)
+    handed_over = False
+    try:
+        snapshot, known = None, {}
+        with every_rank(acc, catch=Exception,
+                        describe=failed(f"process {acc.process_index} could not write into {tmp}")):
+            if plain:
+                snapshot = host_copy.take(acc, tmp, copy=background)
+                if snapshot.nonfinite is not None:
+                    raise _nonfinite(loop, root, name, position["global_step"], snapshot.nonfinite)
+                if not background:
+                    known = write_files(tmp, snapshot)  # (checksummed as they are written)
+            else:
                 with accel.manual_naming(acc):
                     acc.save_state(str(tmp))
-                own = formats.save(loop, tmp, sharding) if sharding is not None else None
-                codec.write_rank_file(tmp / RANK_FILE.format(rank=acc.process_index), loop)
-            shards = formats.gather(acc, own, sharding) if sharding is not None else None
+            own = formats.save(loop, tmp, sharding) if sharding is not None else None
+            codec.write_rank_file(tmp / RANK_FILE.format(rank=acc.process_index), loop)
+        shards = formats.gather(acc, own, sharding) if sharding is not None else None
+        doc = _manifest(loop, final, position, networks, plugins, reason, monitor, shards)
 
-            finishing = failed(f"cannot finish checkpoint {final}")
-            with every_rank(acc, catch=Exception,
-                            describe=lambda exc: exc if isinstance(exc, MissingRankFiles) else finishing(exc)):
-                if main:
-                    check_rank_files(tmp, final, acc.num_processes)  # before anything is published
-                    final, replaced = _finish(loop, tmp, final, position, networks, plugins, tensors,
-                                              reason, monitor, update_latest, shards)
-                    if update_latest:
-                        layout.write_latest(root, final.name)
-                    if replaced is not None:  # an older save of this position, now that latest moved on
-                        _remove(replaced)
-                    if keep_last:
-                        rotate(loop, root, keep_last, keep)
-        except CheckpointError:
-            # a failed save leaves nothing behind; the previous checkpoint stays latest. Another
-            # rank removes its folder only where it is not the main's (no rank 0 file in it:
-            # a root that is not shared), which the main process removes
-            if main or (tmp.is_dir() and not (tmp / accel.rng_file(0)).exists()):
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        def publish_all():
+            return _publish_all(loop, root, tmp, final, doc, tensors, snapshot, known, shards,
+                                update_latest, keep_last, keep)
+
+        finishing = failed(f"cannot finish checkpoint {final}")
+        with every_rank(acc, catch=Exception,
+                        describe=lambda exc: exc if isinstance(exc, MissingRankFiles) else finishing(exc)):
+            if main:
+                check_rank_files(tmp, final, acc.num_processes)  # before anything is published
+                if not background:
+                    final = publish_all()
+        if not background:
+            if on_published is not None:
+                on_published(final)
+            return final
+        job = writer.Job(str(final), _in_background(publish_all, root, tmp, final, snapshot, acc)
+                         if main else (lambda: final), on_published)
+        handed_over = True
+        writer.start(loop, job)
+        return _planned(root, final, update_latest)
+    except CheckpointError:
+        # a failed save leaves nothing behind; the previous checkpoint stays latest. Another
+        # rank removes its folder only where it is not the main's (no rank 0 file in it:
+        # a root that is not shared), which the main process removes
+        if main or (tmp.is_dir() and not (tmp / accel.rng_file(0)).exists()):
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if not handed_over:
+            layout.unmark_live(tmp)
+
+
+def _in_background(publish_all, root: Path, tmp: Path, final: Path, snapshot, acc):
+    """The writer thread's work: the files, then :func:`_publish_all`; an
+    error removes the unfinished folder and names the checkpoint."""
+
+    def work():
+        try:
+            return publish_all()
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            detail = str(exc) if isinstance(exc, CheckpointError) else write_error(exc, root, "writing it")
+            raise CheckpointError(
+                f"the asynchronous save of checkpoint {str(final)!r} failed: {detail}. Nothing was "
+                "published; 'latest' still names the previous checkpoint"
+            ) from exc
+        finally:
+            layout.unmark_live(tmp)
+            snapshot.release(acc)
+
+    return work
+
+
+def _publish_all(loop, root, tmp, final, doc, tensors, snapshot, known, shards, update_latest,
+                 keep_last, keep) -> Path:
+    """Main process: whatever files are not written yet, the manifest,
+    the rename into place, ``latest``, rotation. Returns where it landed."""
+    if snapshot is not None and not known:
+        known = write_files(tmp, snapshot)
+    final, replaced = _finish(tmp, final, doc, tensors, known, shards, update_latest)
+    if update_latest:
+        layout.write_latest(root, final.name)
+    if replaced is not None:  # an older save of this position, now that latest moved on
+        _remove(replaced)
+    if keep_last:
+        rotate(loop, root, keep_last, keep)
     return final
+
+
+def _planned(root: Path, final: Path, update_latest: bool) -> Path:
+    """Where :func:`publish` will put ``final`` (nothing else writes the root
+    while the save is in flight)."""
+    if final.exists() and update_latest and read_latest_quietly(root) == final.name:
+        return layout.next_generation(final)
+    return final
+
+
+def _nonfinite(loop, root, name, step, found) -> NonFiniteCheckpoint:
+    """The refusal for a non-finite tensor found while copying (``found``:
+    ``(file, key)``), naming the network and tensor as a synchronous save does."""
+    refusal = finite.refuse_nonfinite(loop, root, name, step)
+    if refusal is not None:
+        return refusal
+    rel, key = found
+    return NonFiniteCheckpoint(
+        f"refusing to save checkpoint {name} after step {step}: {rel} {key} is not finite. Nothing "
+        "was published; 'latest' still names the last finite checkpoint", step=step)
 
 
 class MissingRankFiles(CheckpointError):
@@ -182,28 +277,11 @@ def tmp_tag(loop) -> str:
     return tag
 
 
-def _finish(loop, tmp: Path, final: Path, position, networks, plugins, tensors, reason,
-            monitor=None, update_latest=True, shards=None) -> tuple[Path, Path | None]:
-    """Main process: hookloop's files, fsync, rename into place. Returns
-    where it landed and the checkpoint it replaces (to delete once
-    ``latest`` names the new one), as :func:`publish` does. ``shards``: a
-    sharded format's (:func:`~.formats.gather`): the files each rank
-    fsynced and checksummed itself, and the manifest's ``sharding``."""
-    from safetensors.torch import save_file
-
+def _manifest(loop, final: Path, position, networks, plugins, reason, monitor=None, shards=None) -> dict:
+    """The manifest of a save, at its safe point: everything but the files'
+    sizes and checksums (:func:`_finish`)."""
     import accelerate
 
-    save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": FORMAT})
-    files, crcs = {}, {}
-    known = shards["known"] if shards else {}
-    for file in sorted(tmp.rglob("*")):
-        if file.is_file() and (rel := file.relative_to(tmp).as_posix()) in known:
-            files[rel], crcs[rel] = known[rel]  # fsynced and checksummed by the rank that wrote it
-        elif file.is_file():
-            layout.fsync_file(file)
-            rel = file.relative_to(tmp).as_posix()
-            files[rel] = file.stat().st_size
-            crcs[rel] = manifest.crc32_file(file)  # read back from the page cache
     classes = {}  # optimizer.bin -> its optimizer's class, for a clear error on resume
     for name, net in loop.networks.items():
         for part in ("optimizer", "scheduler"):
@@ -222,8 +300,9 @@ def _finish(loop, tmp: Path, final: Path, position, networks, plugins, tensors, 
         "networks": networks,
         "accelerate": accel.accelerate_counts(loop.accelerator),
         "plugins": plugins,
-        "files": files,
-        "crc32": crcs,
+        "files": {},
+        "crc32": {},
+        "checksum": manifest.CHECKSUM,
         "run_id": run_identity(loop).id,
         "root": os.path.realpath(final.parent),
         "settings": run_settings(loop),
@@ -234,6 +313,32 @@ def _finish(loop, tmp: Path, final: Path, position, networks, plugins, tensors, 
         doc["monitor"] = monitor
     if shards:
         doc["sharding"] = shards["manifest"]
+    return doc
+
+
+def _finish(tmp: Path, final: Path, doc: dict, tensors: dict, known: dict, shards=None,
+            update_latest=True) -> tuple[Path, Path | None]:
+    """Main process: hookloop's tensors file, the size and checksum of every
+    file (``known``: ``{rel: (size, crc32)}`` of those checksummed as they
+    were written, or, for a sharded format's shards, by the rank that wrote
+    them; the others are fsync'ed and read back), the manifest, fsync, rename
+    into place. Returns where it landed and the checkpoint it replaces (to
+    delete once ``latest`` names the new one), as :func:`publish` does."""
+    known = dict(known)
+    if shards:
+        known.update(shards["known"])
+    known[TENSORS_FILE] = writer.write_file(tmp, TENSORS_FILE, "safetensors", tensors, {"format": FORMAT})
+    files, crcs = doc["files"], doc["crc32"]
+    for file in sorted(tmp.rglob("*")):
+        if not file.is_file():
+            continue
+        rel = file.relative_to(tmp).as_posix()
+        if rel in known:
+            files[rel], crcs[rel] = known[rel]
+        else:  # Accelerate's small files, each rank's own: read back from the page cache
+            layout.fsync_file(file)
+            files[rel] = file.stat().st_size
+            crcs[rel] = manifest.crc32_file(file)
     doc[manifest.SELF_CRC] = manifest.manifest_crc(doc)
     with open(tmp / STATE_FILE, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)
@@ -279,54 +384,3 @@ def read_latest_quietly(root: Path) -> str | None:
         return layout.read_latest(root)
     except CheckpointError:
         return None
-
-
-def _remove(path: Path) -> None:
-    """Delete a checkpoint directory: renamed first, so that a kill during
-    the deletion never leaves a valid name on a half-deleted directory."""
-    trash = path.with_name(f"{TRASH_PREFIX}{path.name}-{os.getpid()}")
-    os.rename(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def rotate(loop, root: Path, keep_last: int, protected=()) -> None:
-    """Delete this run's oldest checkpoints beyond ``keep_last`` (another
-    run's, or ones without a run id, are never deleted); never the one
-    ``latest`` names, never the newest one known to be finite, never one
-    ``protected`` names (the best ``save_top_k``)."""
-    keep = {layout.read_latest(root), *protected}
-    mine = [p for p in layout.list_checkpoints(root) if owns(loop, root, p)]
-    finite_ones = [p for p in mine if ((manifest.peek(p) or {}).get("checks") or {}).get("finite")]
-    if finite_ones:
-        keep.add(finite_ones[-1].name)
-    for path in mine[: max(0, len(mine) - keep_last)]:
-        if path.name in keep:
-            continue
-        _remove(path)
-
-
-def write_error(exc: BaseException, root: Path, what: str) -> str:
-    """The message for a failed write: ``no space left on <dir>`` when the
-    disk (or quota) is full, whatever the library that hit it said (torch's
-    zip writer reports ``unexpected pos``), else the error itself."""
-    import errno
-
-    full = False
-    seen, cause = set(), exc
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
-            full = True
-        cause = cause.__cause__ or cause.__context__
-    free = None
-    with contextlib.suppress(OSError):
-        free = shutil.disk_usage(root if root.exists() else root.parent).free
-    if not full and free is not None and free < (1 << 20):
-        full = True  # a write failed on a disk with less than 1 MiB left
-    detail = f"{type(exc).__name__}: {exc}"
-    if full:
-        left = f" ({free} bytes free)" if free is not None else ""
-        return (f"no space left on {root}{left}: {what} ({detail}). Free some space or give "
-                "Checkpoint(dir=...) another disk; the unfinished checkpoint was removed and "
-                "'latest' still names the previous one")
-    return f"{what}: {detail}"

@@ -15,7 +15,7 @@ from ..checkpointing import layout, lock
 from ..checkpointing.collective import every_rank
 from ..checkpointing.layout import NAME_PATTERN, sort_key
 from ..checkpointing.policy import CheckpointPolicy
-from ..checkpointing.saving import rotate
+from ..checkpointing.saving import poll, rotate, wait
 from ..markers import hookimpl
 from ..preemption import DEFAULT_SIGNALS, Preempted, SignalWatcher, signal_name
 
@@ -79,6 +79,16 @@ class Checkpoint(CheckpointPolicy):
         state of objects given to ``accelerator.register_for_checkpointing``)
         that resuming may unpickle although they are not plain data.
         Unpickling runs the code a file names: trust only your own.
+    :param asynchronous: copy the state to host memory at the safe point
+        and write the checkpoint in a background thread while training goes
+        on (at most one in flight; ``latest`` and :attr:`last_saved` name the
+        previous one until it is published, :attr:`saving` the one being
+        written). The fit's end, ``close()``, an exception and a preemption
+        wait for it; a failed one raises a ``CheckpointError`` naming it at
+        the next safe point (several processes: the next save or the fit's
+        end). Costs one host copy of the weights and optimizer state.
+        Default False: a save returns with the checkpoint on disk
+        (docs/checkpoints.md, Asynchronous checkpoints).
 
     Checkpoints are written only at the loop's safe points (``on_safe_point``,
     this plugin's hook is ``trylast``): after an update and its ``eval_every``
@@ -106,7 +116,7 @@ class Checkpoint(CheckpointPolicy):
 
     def __init__(self, every_steps=None, every_epoch=True, keep_last=_DEFAULT, dir=None,
                  on_exception=False, signals=DEFAULT_SIGNALS, signal_check_every=10,
-                 trust_pickles=(), monitor=None, mode="min", save_top_k=1):
+                 trust_pickles=(), monitor=None, mode="min", save_top_k=1, asynchronous=False):
         if keep_last is _DEFAULT:
             keep_last = 1 if monitor is not None else 3
         if monitor is not None and not (isinstance(monitor, str) and monitor):
@@ -119,6 +129,9 @@ class Checkpoint(CheckpointPolicy):
                 raise ValueError(f"Checkpoint: {label} must be a positive int or None, got {value!r}")
         if not isinstance(signal_check_every, int) or signal_check_every < 1:
             raise ValueError(f"Checkpoint: signal_check_every must be a positive int, got {signal_check_every!r}")
+        if not isinstance(asynchronous, bool):
+            raise ValueError(f"Checkpoint: asynchronous must be True or False, got {asynchronous!r}")
+        self.asynchronous = asynchronous
         self.every_steps = every_steps
         self.every_epoch = bool(every_epoch)
         self.keep_last = keep_last
@@ -146,6 +159,8 @@ class Checkpoint(CheckpointPolicy):
         #: ``"preempted"``, ``"requested"`` ...: the manifest's ``reason``)
         self.last_saved: Path | None = None
         self.last_reason: str | None = None
+        #: the checkpoint an asynchronous save is writing (None: none in flight)
+        self.saving: Path | None = None
         self._stop = None
         self._stop_saved = None  # saved for the agreed stop (several Checkpoint plugins)
         self._fit_ended = False
@@ -208,8 +223,11 @@ class Checkpoint(CheckpointPolicy):
             self.watcher.immediate = self._outside_fit(loop)
 
     @hookimpl
-    def on_loop_end(self):
-        self._uninstall()
+    def on_loop_end(self, loop):
+        try:
+            wait(loop)  # loop.close(): a save in flight (one outside a fit) is published first
+        finally:
+            self._uninstall()
         if self.watcher is not None:
             self.watcher.immediate = None
 
@@ -276,6 +294,8 @@ class Checkpoint(CheckpointPolicy):
     def on_safe_point(self, loop, epoch_end, fit_end):
         if self._lock is not None:
             self._lock.refresh()  # the heartbeat: at most every 30 s, else one clock read
+        if self.saving is not None:
+            poll(loop)  # a background save that finished: published, or its error raised here
         acc = loop.accelerator
         state = loop.state
         if self.watcher is not None and self._stop is None:
@@ -305,11 +325,13 @@ class Checkpoint(CheckpointPolicy):
             return
         path = self._save(loop, reason, monitor=candidate)
         if self._stop is not None:
-            self._preempted(loop, path)
+            wait(loop)  # (a save of this position in flight: the stop's checkpoint)
+            self._preempted(loop, self.last_saved or path)
 
     @hookimpl(trylast=True)  # after the other plugins' end-of-fit work
     def on_fit_end(self, loop):
         try:
+            wait(loop)  # the fit's last checkpoint is on disk when fit returns
             # every rank takes the same decision (one all-reduce with several processes)
             self._pending = self.watcher.agreed(loop.accelerator) if self.watcher is not None else None
         finally:
@@ -328,6 +350,7 @@ class Checkpoint(CheckpointPolicy):
     @hookimpl(wrapper=True)  # around the others: the handlers go back even if one of them raises
     def on_exception(self, loop, exception):
         try:
+            self._wait_quietly(loop)
             if (self.on_exception_save and self._ready and isinstance(exception, Exception)
                     and not _poisoned(exception)):
                 self._emergency(loop, exception)
@@ -356,6 +379,13 @@ class Checkpoint(CheckpointPolicy):
         self.request(reason)
         return None
 
+    def wait(self, loop) -> Path | None:
+        """Wait for the checkpoint an asynchronous save is writing (every
+        process); returns it (None: none in flight). Raises the
+        :class:`~hookloop.checkpointing.CheckpointError` of a save that failed."""
+        wait(loop)
+        return self.last_saved if self.saving is None else None
+
     def request(self, reason: str = "requested") -> None:
         """Save at the next safe point, whatever the schedule (during
         ``on_safe_point``, before this plugin's turn: at this one)."""
@@ -365,7 +395,7 @@ class Checkpoint(CheckpointPolicy):
         position = loop.state.state_dict()
         epoch_end = position["step_in_epoch"] == 0
         if position == self._saved_position and monitor is None:
-            return self.last_saved  # (saved here already; again only to record a monitored value)
+            return self.saving or self.last_saved  # (saved here already; again only for a monitored value)
         finite = loop.plugins.get("finite")
         if finite is not None and callable(getattr(finite, "check", None)):
             finite.check(loop)  # never publish a checkpoint of a run whose loss went NaN
@@ -378,13 +408,21 @@ class Checkpoint(CheckpointPolicy):
             extra = (monitor, root / name) if monitor is not None and math.isfinite(monitor) else None
             keep = self._best_names(loop, root, extra)
         self.last_reason = reason
-        self.last_saved = checkpointing.save(
-            loop, root, reason=reason, name=name, keep_last=self.keep_last, monitor=record, keep=keep,
-        )
+
+        def published(path):
+            self.last_saved, self.saving = path, None
+            if record is not None:
+                self._update_best(loop)
+
+        # a preemption's checkpoint must be on disk before the process ends
+        background = self.asynchronous and reason != "preempted"
+        path = checkpointing.save(loop, root, reason=reason, name=name, keep_last=self.keep_last,
+                                  monitor=record, keep=keep, asynchronous=background,
+                                  on_published=published)
         self._saved_position = position
-        if record is not None:
-            self._update_best(loop)
-        return self.last_saved
+        if self.last_saved != path:
+            self.saving = path  # (written in the background; published() when it lands)
+        return path
 
     def _best_names(self, loop, root, extra=None) -> set:
         """The checkpoints rotation keeps for ``save_top_k`` (``extra``: one
@@ -416,6 +454,15 @@ class Checkpoint(CheckpointPolicy):
             file=sys.stderr,
         )
         raise Preempted(self._stop, step, path)
+
+    def _wait_quietly(self, loop):
+        """An exception ends the fit: the save in flight is published first;
+        its own failure is only a warning (the exception matters more)."""
+        try:
+            wait(loop)
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(f"Checkpoint: {exc}", RuntimeWarning, stacklevel=3)
+            self.saving = None
 
     def _emergency(self, loop, exception):
         if loop.accelerator.num_processes > 1:

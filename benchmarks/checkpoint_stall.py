@@ -1,0 +1,320 @@
+"""How long a checkpoint stalls training: hookloop's synchronous and
+asynchronous ``Checkpoint`` against a hand-written loop calling
+``accelerator.save_state`` and Lightning's ``ModelCheckpoint``, on the same
+model; then one save and one load, each against Accelerate's.
+
+    python benchmarks/checkpoint_stall.py [--repeats 5] [--threads 1] [--dir DIR]
+                                          [--variants a,b,...] [--no-table]
+
+The model: six ``Linear(1024, 1024)`` (ReLU between) with Adam, ~25 M floats
+of weights and state (~100 MB a checkpoint), batches of 64 random rows, a
+mean-square loss; 61 updates, a save after every 10th (6 saves), one CPU
+thread (``--threads``).
+
+Method:
+
+- **Fresh process per measurement** (``--worker VARIANT``), **interleaved**:
+  each repeat runs every variant once, the order reversed every other repeat.
+- **Each step timed inside the process** (wall clock: a background writer's
+  work on another core is not training time, its competition for the cores
+  is): a timestamp at every batch start, so a step's time includes its
+  update's saving. 60 steps are measured (update 61 and the fit's end are
+  not: the fit-end save of hookloop, and its wait for a background save).
+- **Stall per save**: the excess of all 60 steps over the process's own
+  median step, per save, minus the same excess of the run of the same loop
+  without saves in that repeat (its jitter): what saving costs training,
+  including the slow-down a background writer causes to the steps after a
+  save. (The difference of two processes' total times is not used: their
+  median steps differ by up to ±20 % on a shared machine, ten times a save.)
+  Also shown: the saving steps' own excess over the median step (what the
+  save blocks).
+- Medians over repeats, lowest–highest in brackets.
+
+Lightning runs only if ``lightning`` imports (``--lightning-path DIR`` adds a
+folder it was installed into with ``pip install --no-deps --target DIR
+lightning pytorch-lightning lightning-utilities torchmetrics``, which keeps
+the environment's torch).
+
+The save/load rows (one process, the model after training): a synchronous
+``checkpointing.save`` with every check (fsync included), Accelerate's
+``save_state`` (no fsync) and the same plus an fsync of each file;
+``checkpointing.load`` (every file's size and CRC-32, finiteness) against
+``accelerator.load_state``; the host copy an asynchronous save makes at
+the safe point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+UPDATES, EVERY, WIDTH, LAYERS, BATCH = 61, 10, 1024, 6, 64
+MEASURED = 60
+VARIANTS = ["hand-nosave", "hand-save_state", "hookloop-nosave", "hookloop-sync", "hookloop-async",
+            "lightning-nosave", "lightning-ckpt"]
+BASELINE = {"hand-save_state": "hand-nosave", "hookloop-sync": "hookloop-nosave",
+            "hookloop-async": "hookloop-nosave", "lightning-ckpt": "lightning-nosave"}
+LABELS = {"hand-save_state": "hand-written loop + accelerator.save_state",
+          "hookloop-sync": "hookloop Checkpoint (synchronous)",
+          "hookloop-async": "hookloop Checkpoint(asynchronous=True)",
+          "lightning-ckpt": "Lightning ModelCheckpoint"}
+
+
+def build(seed=0):
+    import torch
+
+    torch.manual_seed(seed)
+    layers = []
+    for i in range(LAYERS):
+        layers.append(torch.nn.Linear(WIDTH, WIDTH))
+        if i < LAYERS - 1:
+            layers.append(torch.nn.ReLU())
+    model = torch.nn.Sequential(*layers)
+    x = torch.randn(UPDATES * BATCH, WIDTH)
+    y = torch.randn(UPDATES * BATCH, WIDTH)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-4), data
+
+
+def worker(variant: str, out: Path, threads: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    stamps = []
+    kind, saves = variant.split("-", 1)
+    if kind == "hand":
+        from accelerate import Accelerator
+
+        acc = Accelerator(cpu=True)
+        model, optimizer, data = build()
+        model, optimizer, data = acc.prepare(model, optimizer, data)
+        for step, (x, y) in enumerate(data, 1):
+            stamps.append(time.perf_counter())
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            acc.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            if saves == "save_state" and step % EVERY == 0:
+                acc.save_state(str(out / f"step_{step}"))
+    elif kind == "hookloop":
+        from accelerate import Accelerator
+
+        from hookloop import Loop, hookimpl
+        from hookloop.plugins import Checkpoint
+
+        class Stamps:
+            @hookimpl
+            def before_step(self):
+                stamps.append(time.perf_counter())
+
+            @hookimpl
+            def compute_loss(self, outputs, batch):
+                return torch.nn.functional.mse_loss(outputs, batch[1])
+
+        plugins = [Stamps()]
+        if saves != "nosave":
+            plugins.append(Checkpoint(dir=out, every_steps=EVERY, every_epoch=False, keep_last=2,
+                                      signals=None, asynchronous=saves == "async"))
+        model, optimizer, data = build()
+        loop = Loop(model=model, optimizer=optimizer, train_data=data, plugins=plugins,
+                    accelerator=Accelerator(cpu=True), block=["progress", "finite"])
+        loop.fit(max_steps=UPDATES)
+        loop.close()
+    elif kind == "lightning":
+        import lightning.pytorch as pl
+        from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+        class Module(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.model, self._optimizer, self.data = build()
+
+            def training_step(self, batch, i):
+                return torch.nn.functional.mse_loss(self.model(batch[0]), batch[1])
+
+            def configure_optimizers(self):
+                return self._optimizer
+
+        class Stamps(Callback):
+            def on_train_batch_start(self, *args):
+                stamps.append(time.perf_counter())
+
+        callbacks = [Stamps()]
+        if saves == "ckpt":
+            callbacks.append(ModelCheckpoint(dirpath=out, every_n_train_steps=EVERY, save_top_k=-1))
+        module = Module()
+        trainer = pl.Trainer(max_steps=UPDATES, accelerator="cpu", devices=1, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False,
+                             enable_checkpointing=saves == "ckpt", callbacks=callbacks,
+                             num_sanity_val_steps=0)
+        trainer.fit(module, module.data)
+    steps = [b - a for a, b in zip(stamps, stamps[1:])][:MEASURED]
+    saving = [steps[i - 1] for i in range(EVERY, MEASURED + 1, EVERY)]
+    plain = [t for i, t in enumerate(steps, 1) if i % EVERY]
+    median = statistics.median(plain)
+    return {"variant": variant, "total_s": sum(steps), "median_step_ms": median * 1e3,
+            "excess_ms": [(t - median) * 1e3 for t in saving], "saves": len(saving),
+            "all_excess_ms": (sum(steps) - len(steps) * median) * 1e3}
+
+
+def save_load_rows(out: Path, threads: int, repeat: int = 3) -> list:
+    """One process: a save and a load of the trained model, each against Accelerate's."""
+    import torch
+    from accelerate import Accelerator
+
+    from hookloop import Loop, checkpointing, hookimpl
+    from hookloop.checkpointing import host_copy, layout
+
+    torch.set_num_threads(threads)
+
+    class Loss:
+        @hookimpl
+        def compute_loss(self, outputs, batch):
+            return torch.nn.functional.mse_loss(outputs, batch[1])
+
+    model, optimizer, data = build()
+    loop = Loop(model=model, optimizer=optimizer, train_data=data, plugins=[Loss()],
+                accelerator=Accelerator(cpu=True), block=["progress", "finite"])
+    loop.fit(max_steps=2)
+    acc = loop.accelerator
+    counter = iter(range(10_000))
+
+    def timed(fn):
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+
+    def hookloop_save():
+        return checkpointing.save(loop, out / "hl", reason="bench", name=f"step-{next(counter):08d}",
+                                  keep_last=1)
+
+    def accelerate_save(fsync=False):
+        folder = out / "acc" / str(next(counter))
+        acc.save_state(str(folder))
+        if fsync:
+            for file in folder.iterdir():
+                layout.fsync_file(file)
+            layout.fsync_dir(folder)
+
+    def host(copy=True):
+        folder = Path(tempfile.mkdtemp(dir=out))
+        snap = host_copy.take(acc, folder, copy=copy)
+        snap.release(acc)
+
+    rows = [("save: hookloop, every check, fsync (synchronous)", timed(hookloop_save)),
+            ("save: accelerator.save_state (no fsync)", timed(accelerate_save)),
+            ("save: accelerator.save_state + fsync of each file", timed(lambda: accelerate_save(True))),
+            ("stall of an asynchronous save: host copy + finiteness", timed(host))]
+    path = hookloop_save()
+    plain = out / "acc" / "load"
+    acc.save_state(str(plain))
+    rows += [("load: hookloop (sizes, CRC-32, finiteness, then commit)",
+              timed(lambda: checkpointing.load(loop, path))),
+             ("load: accelerator.load_state", timed(lambda: acc.load_state(str(plain))))]
+    size = sum(p.stat().st_size for p in path.iterdir())
+    loop.close()
+    return [{"row": r, "ms": ms, "mb": size / 1e6} for r, ms in rows]
+
+
+def run_worker(args, variant, out) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HOOKLOOP_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    if variant.startswith("lightning") and args.lightning_path:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.lightning_path, env.get("PYTHONPATH")]))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--dir", str(out),
+           "--threads", str(args.threads)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{variant} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def lightning_available(path) -> bool:
+    env = {**os.environ}
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-c", "import lightning.pytorch"], env=env,
+                          capture_output=True).returncode == 0
+
+
+def fmt(values, scale=1.0):
+    values = [v * scale for v in values]
+    return f"{statistics.median(values):.0f} ({min(values):.0f}–{max(values):.0f})"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dir", type=Path, default=None)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--lightning-path", default=os.environ.get("HOOKLOOP_LIGHTNING_PATH"))
+    parser.add_argument("--no-table", action="store_true", help="skip the save/load rows")
+    parser.add_argument("--worker", default=None)
+    args = parser.parse_args(argv)
+    if args.worker == "save-load":
+        print(json.dumps(save_load_rows(args.dir, args.threads)))
+        return 0
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.dir, args.threads)))
+        return 0
+    variants = args.variants.split(",")
+    if any(v.startswith("lightning") for v in variants) and not lightning_available(args.lightning_path):
+        print("Lightning is not importable: its rows are left out (see --lightning-path)")
+        variants = [v for v in variants if not v.startswith("lightning")]
+    results = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
+        for r in range(args.repeats):
+            order = variants if r % 2 == 0 else variants[::-1]
+            for v in order:
+                out = Path(scratch) / f"{v}-{r}"
+                out.mkdir()
+                results[v].append(run_worker(args, v, out))
+                print(f"repeat {r + 1}/{args.repeats} {v}: {results[v][-1]['total_s']:.2f} s", file=sys.stderr)
+        rows = []
+        if not args.no_table:
+            out = Path(scratch) / "save-load"
+            out.mkdir()
+            rows = run_worker(args, "save-load", out)
+    print(f"\nCheckpoint stall: {LAYERS} x Linear({WIDTH}, {WIDTH}) + Adam, {MEASURED} timed updates, "
+          f"a save every {EVERY}; {args.repeats} interleaved repeats, {args.threads} thread(s); "
+          "ms, median (lowest–highest)\n")
+    print("| variant | step without saves | stall per save (all steps' excess, per save) "
+          "| saving step's excess over the median step | excess × accelerator.save_state's |")
+    print("|---|---:|---:|---:|---:|")
+    stall = {}
+    for v, base in BASELINE.items():
+        if v not in results or base not in results:
+            continue
+        n = results[v][0]["saves"]
+        stall[v] = [(a["all_excess_ms"] - b["all_excess_ms"]) / n for a, b in zip(results[v], results[base])]
+    for v in stall:
+        steps = [b["median_step_ms"] for b in results[BASELINE[v]]]
+        excess = [statistics.median(x["excess_ms"]) for x in results[v]]
+        ratio = ""
+        if "hand-save_state" in stall:  # (per repeat; the excess: the steady figure)
+            hand = [statistics.median(x["excess_ms"]) for x in results["hand-save_state"]]
+            ratios = [a / b for a, b in zip(excess, hand) if b > 0]
+            ratio = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})" if ratios else ""
+        print(f"| {LABELS[v]} | {fmt(steps)} | {fmt(stall[v])} | {fmt(excess)} | {ratio} |")
+    if rows:
+        print(f"\nOne save / one load of that model ({rows[0]['mb']:.0f} MB), median of 3, ms:\n")
+        print("| operation | ms |")
+        print("|---|---:|")
+        for row in rows:
+            print(f"| {row['row']} | {row['ms']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

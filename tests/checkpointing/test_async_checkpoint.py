@@ -1,0 +1,333 @@
+"""Asynchronous checkpoints (``Checkpoint(asynchronous=True)``): the same
+checkpoint as a synchronous save, written by a background thread while
+training goes on; at most one in flight; ``latest`` moves only once the new
+one is complete; the fit's end, ``close()`` and an exception wait for it; a
+failed write is an error naming it; killed during the write, the previous
+checkpoint resumes bit for bit. And the files are Accelerate's."""
+
+import io
+import json
+import threading
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+import runner
+from hookloop import hookimpl
+from hookloop.checkpointing import CheckpointError, read_latest, writer
+from hookloop.checkpointing import saving
+from hookloop.plugins import Checkpoint
+from hookloop.testing import reset_accelerate, tiny_loop
+
+EPOCHS = 2  # tiny_loop: 8 updates an epoch
+
+
+def make(root, *plugins, asynchronous=True, every_steps=2, resume_from=None, **kwargs):
+    reset_accelerate()
+    checkpoint = Checkpoint(dir=root, every_steps=every_steps, keep_last=None, signals=None,
+                            asynchronous=asynchronous)
+    loop = tiny_loop([checkpoint, *plugins], accelerator=Accelerator(), eval_data=True,
+                     resume_from=resume_from, **kwargs)
+    return loop, checkpoint
+
+
+def params(loop):
+    return {k: v.detach().clone() for k, v in loop.networks["model"].unwrapped.state_dict().items()}
+
+
+def differing(a, b):
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def manifest(path):
+    return json.loads((path / "hookloop.json").read_text())
+
+
+def _rank_file(path):
+    from safetensors import safe_open
+
+    with safe_open(path / "hookloop-rank0.safetensors", "pt") as f:
+        return f.metadata(), {k: f.get_tensor(k).tolist() for k in f.keys()}
+
+
+#: what differs between two saves of the same state: when, which run, where
+_CIRCUMSTANCES = {"created", "run_id", "root", "manifest_crc32"}
+
+
+class Hold:
+    """Holds the background writer of the checkpoints named in ``names``
+    before it writes their ``optimizer.bin`` (model written, the rest not),
+    until :meth:`release`; records what happened, in order."""
+
+    def __init__(self, monkeypatch, *names, release_after=None):
+        self.names = set(names)
+        self.gate = threading.Event()
+        self.events = []
+        write, publish = writer.write_file, saving.publish
+
+        def write_file(folder, rel, *args, **kwargs):
+            name = _name(folder)
+            if rel == "model.safetensors":
+                self.events.append(("write", name))
+            if name in self.names and rel == "optimizer.bin":
+                self.events.append(("held", name))
+                if release_after is not None:  # (0.3 s after it is held: later than the
+                    self.release(release_after)  # training thread's return, were it not waiting)
+                assert self.gate.wait(30), "never released"
+            return write(folder, rel, *args, **kwargs)
+
+        def published(tmp, final, *args, **kwargs):
+            out = publish(tmp, final, *args, **kwargs)
+            self.events.append(("published", final.name))
+            return out
+
+        monkeypatch.setattr(writer, "write_file", write_file)
+        monkeypatch.setattr(saving, "publish", published)
+
+    def release(self, after: float = 0.0):
+        threading.Timer(after, self.gate.set).start()
+
+
+def _name(folder) -> str:
+    """``step-00000004`` from ``.tmp-step-00000004-<run>-<pid>``."""
+    name = Path(folder).name
+    return name[len(".tmp-"):].rsplit("-", 2)[0] if name.startswith(".tmp-") else name
+
+
+class Watch:
+    """Records, in after_step, the update and what ``latest`` names; calls
+    ``at[step](loop)`` at those updates."""
+
+    name = "watch"
+
+    def __init__(self, root, events, at=None):
+        self.root, self.events, self.at = Path(root), events, at or {}
+
+    @hookimpl
+    def after_step(self, loop):
+        step = loop.state.global_step
+        self.events.append(("step", step, read_latest(self.root)))
+        if step in self.at:
+            self.at[step](loop)
+
+
+# -- the same checkpoint ---------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:.*also holds newer checkpoints")
+def test_an_asynchronous_checkpoint_is_the_synchronous_one_and_resumes_bit_for_bit(tmp_path):
+    sync, _ = make(tmp_path / "sync", asynchronous=False)
+    sync.fit(epochs=EPOCHS)
+    reference = params(sync)
+    loop, checkpoint = make(tmp_path / "async")
+    loop.fit(epochs=EPOCHS)
+    assert differing(params(loop), reference) == []  # saving in the background changes no step
+    names = sorted(p.name for p in (tmp_path / "sync").iterdir())
+    assert sorted(p.name for p in (tmp_path / "async").iterdir()) == names
+    assert checkpoint.last_saved == tmp_path / "async" / "step-00000016-epoch-end"
+    assert checkpoint.saving is None
+    for name in ("step-00000006", "step-00000008-epoch-end", "step-00000016-epoch-end"):
+        a, b = tmp_path / "sync" / name, tmp_path / "async" / name
+        files = sorted(p.name for p in a.iterdir())
+        assert sorted(p.name for p in b.iterdir()) == files
+        for file in set(files) - {"hookloop.json", "hookloop-rank0.safetensors"}:
+            assert (a / file).read_bytes() == (b / file).read_bytes(), f"{name}/{file}"
+        # (safetensors orders a metadata of several keys anew each time: compared read)
+        assert _rank_file(a) == _rank_file(b)
+        doc_a, doc_b = manifest(a), manifest(b)
+        for doc in (doc_a, doc_b):
+            del doc["crc32"]["hookloop-rank0.safetensors"]  # (its metadata's order, above)
+        assert {k: v for k, v in doc_a.items() if k not in _CIRCUMSTANCES} == \
+               {k: v for k, v in doc_b.items() if k not in _CIRCUMSTANCES}
+        assert doc_b["checksum"] == "crc32"
+    loop.close()
+
+    resumed, _ = make(tmp_path / "async", resume_from=tmp_path / "async" / "step-00000006")
+    assert resumed.state.global_step == 6
+    resumed.fit(epochs=EPOCHS)
+    assert differing(params(resumed), reference) == []
+
+
+def test_the_files_are_accelerates_and_accelerator_load_state_reads_them(tmp_path):
+    loop, _ = make(tmp_path / "ckpt", every_steps=None)
+    loop.fit(max_steps=5)
+    path = saving.save(loop, tmp_path / "ckpt", reason="test", name="step-00000099",
+                       asynchronous=True)
+    saving.wait(loop)
+    acc = loop.accelerator
+    acc.save_state(str(tmp_path / "plain"))  # the same state, the same random states
+    plain = tmp_path / "plain"
+    for name in ("model.safetensors", "scheduler.bin", "random_states_0.pkl"):
+        assert (path / name).read_bytes() == (plain / name).read_bytes(), name
+    # optimizer.bin: the same zip records, byte for byte (torch names the zip's top
+    # folder after the file only when it opens the file itself)
+    ours, theirs = zipfile.ZipFile(path / "optimizer.bin"), zipfile.ZipFile(plain / "optimizer.bin")
+    strip = lambda z: {n.split("/", 1)[1]: z.read(n) for n in z.namelist()}  # noqa: E731
+    assert strip(ours) == strip(theirs)
+
+    model = loop.networks["model"]
+    before = params(loop), model.optimizer.state_dict()
+    with torch.no_grad():
+        for p in model.unwrapped.parameters():
+            p.add_(1.0)
+    acc.load_state(str(path))  # Accelerate itself reads a hookloop checkpoint
+    assert differing(params(loop), before[0]) == []
+    after = model.optimizer.state_dict()
+    for key, entry in before[1]["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(after["state"][key][name], value), (key, name)
+    buffer = io.BytesIO((path / "optimizer.bin").read_bytes())
+    assert torch.load(buffer, weights_only=True)["param_groups"] == before[1]["param_groups"]
+
+
+# -- in flight ---------------------------------------------------------------------------
+
+
+def test_training_goes_on_during_the_write_and_the_next_save_waits_for_it(tmp_path, monkeypatch):
+    hold = Hold(monkeypatch, "step-00000004")
+    events = hold.events
+    # at update 5, the save of update 4 is held mid-write: latest names update 2's
+    watch = Watch(tmp_path, events, at={5: lambda loop: hold.release(after=0.2)})
+    loop, checkpoint = make(tmp_path, watch)
+    loop.fit(max_steps=7)
+    # update 5 trained while update 4's save was unfinished (held until then), and the
+    # previous checkpoint stayed latest
+    assert ("step", 5, "step-00000002") in events
+    assert events.index(("step", 5, "step-00000002")) < events.index(("published", "step-00000004"))
+    # the save of update 6 waited for update 4's to be published before it began
+    assert events.index(("published", "step-00000004")) < events.index(("write", "step-00000006"))
+    assert [e[1] for e in events if e[0] == "published"] == [
+        "step-00000002", "step-00000004", "step-00000006", "step-00000007"]
+    assert read_latest(tmp_path) == "step-00000007"  # the fit's end waited for its last save
+    assert checkpoint.last_saved == tmp_path / "step-00000007"
+
+
+def test_the_fit_end_waits_for_the_writer(tmp_path, monkeypatch):
+    hold = Hold(monkeypatch, "step-00000003", release_after=0.3)
+    loop, checkpoint = make(tmp_path, every_steps=None)
+    loop.fit(max_steps=3)
+    assert ("published", "step-00000003") in hold.events
+    assert read_latest(tmp_path) == "step-00000003" and checkpoint.saving is None
+    assert (tmp_path / "step-00000003" / "hookloop.json").exists()
+
+
+def test_close_waits_for_a_save_made_outside_a_fit(tmp_path, monkeypatch):
+    hold = Hold(monkeypatch, "step-00000000-epoch-end", release_after=0.3)
+    loop, checkpoint = make(tmp_path)
+    path = checkpoint.save(loop)  # outside a fit: at once, in the background
+    assert path == tmp_path / "step-00000000-epoch-end" and checkpoint.saving == path
+    assert read_latest(tmp_path) is None
+    loop.close()
+    assert ("held", "step-00000000-epoch-end") in hold.events
+    assert read_latest(tmp_path) == "step-00000000-epoch-end" and checkpoint.last_saved == path
+
+
+def test_an_exception_waits_for_the_writer(tmp_path, monkeypatch):
+    Hold(monkeypatch, "step-00000002", release_after=0.3)
+
+    def fail(loop):
+        raise RuntimeError("boom at update 3")
+
+    loop, _ = make(tmp_path, Watch(tmp_path, [], at={3: fail}))
+    with pytest.raises(RuntimeError, match="boom at update 3"):
+        loop.fit(epochs=1)
+    assert read_latest(tmp_path) == "step-00000002"  # published before the error came out
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_a_failed_write_is_an_error_naming_the_checkpoint(tmp_path, monkeypatch):
+    write = writer.write_file
+
+    def full_disk(folder, rel, *args, **kwargs):
+        if _name(folder) == "step-00000004" and rel == "optimizer.bin":
+            raise OSError(28, "No space left on device")
+        return write(folder, rel, *args, **kwargs)
+
+    monkeypatch.setattr(writer, "write_file", full_disk)
+    loop, checkpoint = make(tmp_path)
+    with pytest.raises(CheckpointError, match=r"asynchronous save of checkpoint .*step-00000004.* "
+                                              r"failed: .*No space left on device"):
+        loop.fit(epochs=1)
+    assert read_latest(tmp_path) == "step-00000002"
+    assert not list(tmp_path.glob(".tmp-*"))  # the unfinished folder was removed
+    assert checkpoint.last_saved == tmp_path / "step-00000002"
+
+
+def test_asynchronous_must_be_a_bool():
+    with pytest.raises(ValueError, match="asynchronous must be True or False, got 'yes'"):
+        Checkpoint(asynchronous="yes")
+
+
+# -- killed during the background write ----------------------------------------------------
+
+SUPERVISED = ("--strategy", "supervised", "--accum", "2", "--epochs", "3", "--every-steps", "3")
+
+
+class AsyncRun(runner.Run):
+    """A run of async_resumable.py, forked from runner.py's server."""
+
+    def __init__(self, out, *args, name="run"):
+        import async_resumable
+
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.log = self.out / f"{name}.log"
+        for marker in self.out.glob("paused-*"):
+            marker.unlink()
+        self.process = runner.context().Process(target=async_resumable.child,
+                                                args=([str(self.out), *map(str, args)], str(self.log)))
+        self.process.start()
+
+
+def test_killed_during_a_background_write_the_previous_checkpoint_resumes_bit_for_bit(tmp_path):
+    reference = AsyncRun(tmp_path / "reference", *SUPERVISED).finish()
+    out = tmp_path / "run"
+    # 4 updates an epoch; checkpoints at 3, 4 (epoch end), 6, 8 ...: held writing 6's
+    run = AsyncRun(out, *SUPERVISED, "--hold", "6", name="held")
+    run.wait_paused()
+    run.kill()
+    root = out / "checkpoints"
+    assert read_latest(root) == "step-00000004-epoch-end"
+    (unfinished,) = root.glob(".tmp-step-00000006-*")
+    assert (unfinished / "model.safetensors").exists()  # mid-write: the model, not the rest
+    assert not (unfinished / "optimizer.bin").exists() and not (unfinished / "hookloop.json").exists()
+    final = AsyncRun(out, *SUPERVISED, name="final").finish()
+    assert json.loads((out / "run.json").read_text())["started_at"] == 4
+    assert runner.same(final, reference) == []
+    assert not list(root.glob(".tmp-*"))
+
+
+@pytest.mark.slow
+def test_two_processes_save_in_the_background_what_they_save_synchronously(tmp_path):
+    """``accelerate launch --multi_gpu --num_processes 2`` (CPU, gloo): every rank's random
+    states land before the main process's writer publishes; the run ends where the
+    synchronous one ends, with the same checkpoints."""
+    import subprocess
+    import sys
+
+    def launch(out, script):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+               "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", "0", str(script), str(out), *SUPERVISED]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                              env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert json.loads((out / "run.json").read_text())["num_processes"] == 2
+        return runner.params(out)
+
+    sync = launch(tmp_path / "sync", runner.SCRIPT)
+    background = launch(tmp_path / "async", runner.HERE / "async_resumable.py")
+    assert runner.same(background, sync) == []
+    names = sorted(p.name for p in (tmp_path / "sync" / "checkpoints").glob("step-*"))
+    assert sorted(p.name for p in (tmp_path / "async" / "checkpoints").glob("step-*")) == names
+    assert len(names) == 3  # keep_last=3
+    for name in names:
+        a, b = (tmp_path / d / "checkpoints" / name for d in ("sync", "async"))
+        assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+        assert {"random_states_0.pkl", "random_states_1.pkl", "hookloop-rank1.safetensors"} <= \
+            set(manifest(b)["files"])
+        for file in ("model.safetensors", "optimizer.bin", "random_states_1.pkl"):
+            assert (a / file).read_bytes() == (b / file).read_bytes(), (name, file)

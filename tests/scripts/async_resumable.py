@@ -1,0 +1,54 @@
+"""resumable.py with ``Checkpoint(asynchronous=True)``, for
+tests/checkpointing/test_async_checkpoint.py.
+
+    python async_resumable.py OUT [resumable.py's options] [--hold K]
+
+``--hold K`` holds the background writer of the checkpoint after update K
+between its model's file and its optimizer's (``model.safetensors`` written,
+``optimizer.bin`` not yet): the script writes OUT/paused-0 (pid, where) and
+the writer sleeps until killed, while training goes on (and waits at its
+next save, which waits for this one).
+"""
+
+import functools
+import sys
+from pathlib import Path
+
+import resumable
+from hookloop.checkpointing import writer
+from hookloop.plugins import Checkpoint
+
+
+def main(argv):
+    argv = list(argv)
+    hold = None
+    if "--hold" in argv:
+        i = argv.index("--hold")
+        hold = int(argv[i + 1])
+        del argv[i:i + 2]
+    out = Path(argv[0])
+    resumable.Checkpoint = functools.partial(Checkpoint, asynchronous=True)
+    if hold is not None:
+        original = writer.write_file
+
+        def held(folder, rel, *args, **kwargs):
+            if f"step-{hold:08d}" in Path(folder).name and rel == "optimizer.bin":
+                resumable.pause_here(out, 0, f"background write {hold}")
+            return original(folder, rel, *args, **kwargs)
+
+        writer.write_file = held  # (looked up at each call, in the writer thread)
+    resumable.main(argv)
+
+
+def child(argv, log):
+    """Entry point of a forked run (tests/scripts/runner.py's server)."""
+    import os
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    main(argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
