@@ -3,7 +3,8 @@
     hookloop plugins [--json]     what a Loop would load, and why
     hookloop plugins NAME ...     the instances Loop(plugins=[NAME, ...]) would register
     hookloop hooks                the hook reference
-    hookloop demo [NAME] [ARGS]   run a packaged example (default: the GAN demo)
+    hookloop demo [NAME] [ARGS]   run a packaged example (default: the GAN demo);
+                                  ``hookloop demo --help`` lists them
     hookloop new-plugin NAME      write a ready plugin distribution (hookloop.scaffold)
 """
 
@@ -28,6 +29,13 @@ DEMOS = {
     "distill": "distillation",
 }
 DEFAULT_DEMO = "gan"
+#: demo name -> what it does, in one line (``hookloop --help``, ``hookloop demo --help``)
+DEMO_LINES = {
+    "gan": "a GAN learns to draw scikit-learn's 8x8 digits, about a minute",
+    "digits": "an MLP learns to classify the same digits, in seconds",
+    "text": "fine-tune a transformer on the VADER sentiment lexicon",
+    "distill": "distil the text demo's fine-tuned MiniLM into a tiny BERT",
+}
 
 
 def plugin_rows(block=()) -> list[dict]:
@@ -156,11 +164,48 @@ def _cmd_hooks(args) -> int:
     return 0
 
 
+def demo_listing() -> str:
+    """Every demo, one line each, with the extra it needs; then where they
+    write."""
+    from .examples.demo_support import EXTRAS, RUNS_DIR
+
+    width = max(map(len, DEMOS))
+    text = max(len(DEMO_LINES.get(name, "")) for name in DEMOS)
+    lines, extras = [], {}
+    for name in DEMOS:
+        extra = EXTRAS.get(name, ("",))[0]
+        lines.append(f"  {name:<{width}}  {DEMO_LINES.get(name, ''):<{text}}  "
+                     f"{f'[{extra}]' if extra else ''}".rstrip())
+        if extra:
+            extras.setdefault(extra, f'[{extra}]: pip install "hookloop[{extra}]"')
+    return "\n".join([
+        *lines,
+        "; ".join(extras.values()),
+        f"Each demo writes under ./{RUNS_DIR}/NAME (its --out moves it);",
+        "hookloop demo NAME --help lists its options.",
+    ])
+
+
+def demo_help() -> str:
+    """``hookloop demo --help``."""
+    return "\n".join([
+        "usage: hookloop demo [NAME] [OPTIONS]",
+        "",
+        f"Run a packaged example. NAME (default {DEFAULT_DEMO}; options without a NAME go to it):",
+        demo_listing(),
+    ])
+
+
 def _cmd_demo(args) -> int:
+    from .examples.demo_support import require_extra
+
     name = args.name or DEFAULT_DEMO
     if name not in DEMOS:
         print(f"hookloop demo: unknown demo {name!r}; choose from {', '.join(DEMOS)}", file=sys.stderr)
         return 2
+    missing = require_extra(name)  # before the import: the demo module imports what is missing
+    if missing is not None:
+        return missing
     module = importlib.import_module(f"hookloop.examples.{DEMOS[name]}")
     return module.main(args.args) or 0
 
@@ -173,9 +218,13 @@ def plain(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hookloop", description=plain(__doc__.splitlines()[0]))
+    parser = argparse.ArgumentParser(
+        prog="hookloop", description=plain(__doc__.splitlines()[0]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"demos (hookloop demo NAME [OPTIONS], default {DEFAULT_DEMO}):\n" + demo_listing())
     parser.add_argument("--version", action="version", version=f"hookloop {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                title="commands (hookloop COMMAND --help for its options)")
     p = sub.add_parser("plugins", help="list the plugins a Loop would load")
     p.add_argument("given", nargs="*", metavar="NAME[=JSON]",
                    help="plugins as given to Loop(plugins=[...]) by name, e.g. logger "
@@ -185,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_plugins)
     p = sub.add_parser("hooks", help="print the hook reference")
     p.set_defaults(func=_cmd_hooks)
-    p = sub.add_parser("demo", help="run a packaged example", add_help=False)
+    p = sub.add_parser("demo", help=f"run a packaged example (default {DEFAULT_DEMO}; the demos below)",
+                       add_help=False)
     p.add_argument("name", nargs="?", help=f"one of {', '.join(DEMOS)} (default {DEFAULT_DEMO})")
     p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the example")
     p.set_defaults(func=_cmd_demo)
@@ -197,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"] and argv[1:2] in (["-h"], ["--help"]):
+        print(demo_help())  # the demos themselves; `hookloop demo NAME --help`: one demo's options
+        return 0
     if argv[:1] == ["demo"] and len(argv) > 1 and argv[1].startswith("-"):
         argv.insert(1, DEFAULT_DEMO)  # `hookloop demo --epochs 5`: options of the default demo
     args = build_parser().parse_args(argv)

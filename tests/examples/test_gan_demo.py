@@ -123,6 +123,14 @@ def test_short_demo_writes_pictures_log_and_quality(tmp_path, capsys):
     for path in (out / "samples" / "epoch-000.png", out / "logs" / "gan-digits.jsonl", out / "quality.json"):
         assert str(path) in printed
     assert "Fréchet distance" in printed and "untrained generator" in printed
+    # each Fréchet distance says how many samples it measured: the progress lines
+    # 1000, the final table --samples (400 here), and quality.json records both
+    assert "after   1 epochs: Fréchet distance (1000 samples)" in printed
+    lines = printed.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split() == ["Fréchet", "distance", "digits",
+                                                                        "covered", "recognisable"])
+    assert lines[header + 1].strip() == "(400 samples)"
+    assert "400 generated digits against" in printed and "lines judge 1000 samples" in printed
 
     records = [json.loads(line) for line in (out / "logs" / "gan-digits.jsonl").read_text().splitlines()]
     assert records[0]["config"]["epochs"] == 2
@@ -134,6 +142,8 @@ def test_short_demo_writes_pictures_log_and_quality(tmp_path, capsys):
 
     report = json.loads((out / "quality.json").read_text())
     assert report["steps"] == 56
+    assert report["frechet_samples"] == {"generated": 400, "real": 1797,
+                                         "real_halves": [898, 899], "progress": 1000}
     for key in ("trained", "untrained", "real"):
         assert set(report[key]) >= {"frechet", "coverage", "recognisable", "shares"}
     # even two epochs move the generator toward the digits
@@ -149,11 +159,24 @@ def test_hookloop_demo_runs_the_gan_and_starts_clean(tmp_path):
     assert sum("config" in line for line in lines) == 1  # the earlier run's log is gone
 
 
+def readme_checks():
+    """tests/docs/test_readme.py, the checks of docs/demos.md's figures, loaded
+    by path: tests/docs is on sys.path only when pytest collects it too."""
+    import importlib.util
+
+    from paths import ROOT
+
+    spec = importlib.util.spec_from_file_location("demos_md_checks", ROOT / "tests" / "docs" / "test_readme.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.slow
 def test_default_demo_quality(tmp_path):
     """docs/demos.md's numbers: the full default run is held to what
     docs/demos.md says `hookloop demo` prints."""
-    from test_readme import held_to_the_readme
+    held_to_the_readme = readme_checks().held_to_the_readme
 
     report = gan_digits.run(["--out", str(tmp_path), "--no-progress"])
     trained, untrained = report["trained"], report["untrained"]
@@ -166,7 +189,8 @@ def test_the_readme_check_catches_drifted_figures():
     """The check above fails on figures docs/demos.md does not state."""
     import json as _json
 
-    from test_readme import gan_figures, held_to_the_readme
+    checks = readme_checks()
+    gan_figures, held_to_the_readme = checks.gan_figures, checks.held_to_the_readme
 
     rows, ranges = gan_figures()
     report = {"trained": dict(rows["trained"]), "untrained": dict(rows["untrained"]),

@@ -316,6 +316,8 @@ def load(loop, path, *, strict: bool = True, trust_pickles=None, staged: Staged 
             ) from exc
     for message in messages:
         warnings.warn(f"hookloop: {message}", RuntimeWarning, stacklevel=3)
+    loop.print(f"hookloop: resumed from {path} (epoch {loop.state.epoch}, "  # main process only
+               f"update {loop.state.global_step})")
     return Resume(epoch_start=epoch_start, rng=rng, generators=generators, path=path)
 
 

@@ -2,6 +2,8 @@
 
     hookloop demo digits [--epochs 10] [--out hookloop-runs/digits]
 
+The log goes to ``./hookloop-runs/digits/train.jsonl`` (``--out``).
+
 Everything beyond the hand-written Accelerate loop is a plugin: gradient
 clipping, logging (console + JSON lines), the progress bar.
 """
@@ -17,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hookloop import Loop
 from hookloop.plugins import GradClip, Logger
+from hookloop.examples.demo_support import default_out
 from hookloop.trackers import JSONLinesTracker
 
 
@@ -40,7 +43,8 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="hookloop-runs/digits")
+    parser.add_argument("--out", default=default_out("digits"),
+                        help=f"where the JSON-lines log goes (default ./{default_out('digits')})")
     args = parser.parse_args(argv)
 
     out = Path(args.out)

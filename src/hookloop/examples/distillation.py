@@ -21,11 +21,13 @@ plus the labels, weighted by ``--alpha``).
 
 Run it::
 
+    pip install "hookloop[text]"             # transformers, datasets, ...
     hookloop demo distill                    # fine-tunes the teacher on first use
-    hookloop demo distill --teacher runs/distill/teacher --epochs 5 --alpha 0.9
+    hookloop demo distill --teacher hookloop-runs/distill/teacher --epochs 5 --alpha 0.9
 
 It prints the teacher's held-out accuracy, both students' accuracies, and the
-size and speed (ms per batch of 32, forward only) of student and teacher.
+size and speed (ms per batch of 32, forward only) of student and teacher. The
+teacher and its fine-tuning log go to ``./hookloop-runs/distill`` (``--out``).
 """
 
 from __future__ import annotations
@@ -38,16 +40,18 @@ import time
 from dataclasses import dataclass
 
 from . import text_classification as tc
+from .demo_support import default_out, require_extra
 
-DEFAULT_OUT = os.path.join("runs", "distill")
+DEFAULT_OUT = default_out("distill")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="hookloop demo distill",
-        description="Distil the text example's fine-tuned MiniLM into a tiny BERT on the VADER task.",
+        description="Distil the text example's fine-tuned MiniLM into a tiny BERT on the VADER task. "
+                    'Needs the text extra: pip install "hookloop[text]".',
     )
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"where the teacher and logs go ({DEFAULT_OUT})")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"where the teacher and logs go (./{DEFAULT_OUT})")
     p.add_argument("--teacher", default=None, help=(
         "a fine-tuned two-label classifier (a save_pretrained directory); fine-tuned from "
         "--teacher-base and saved there first if it holds none (default: OUT/teacher)"))
@@ -329,6 +333,9 @@ def format_report(r: Report, args) -> str:
 def main(argv=None) -> int:
     """``hookloop demo distill [options]``; ``--help`` lists them."""
     args = parse_args(argv)
+    missing = require_extra("distill")
+    if missing is not None:
+        return missing
     try:
         report = run(args)
     except tc.ModelUnavailable as exc:

