@@ -120,6 +120,9 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
         with every_rank(acc, catch=Exception,
                         describe=failed(f"process {acc.process_index} could not write into {tmp}")):
             if plain:
+                # as save_state does: a rank that does not see the main's folder writes into its
+                # own (check_rank_files then names the ranks whose files are not shared)
+                tmp.mkdir(parents=True, exist_ok=True)
                 snapshot = host_copy.take(acc, tmp, copy=background)
                 if snapshot.nonfinite is not None:
                     raise _nonfinite(loop, root, name, position["global_step"], snapshot.nonfinite)

@@ -342,4 +342,6 @@ def load(loop, path, *, position=None, strict: bool = True, trust_pickles=None) 
     state.run = RunIdentity()  # a new run: the script's had no id
     for message in notes + more:
         warnings.warn(f"hookloop: {message}", RuntimeWarning, stacklevel=3)
+    loop.print(f"hookloop: resumed from {folder} (epoch {loop.state.epoch}, "  # main process only
+               f"update {loop.state.global_step})")
     return Resume(epoch_start=None, rng=capture_rng(), generators=None, path=folder)
