@@ -57,3 +57,15 @@ def test_a_typed_plugin_checks_clean_and_a_misspelt_attribute_is_rejected(tmp_pa
     # (by file name: mypy's cache may name the same module's file of an earlier run)
     assert [Path(e.split(":")[0]).name for e in errors] == [bad.name], output  # good is clean
     assert '"LoopState" has no attribute "global_stepp"' in errors[0]
+
+
+def test_the_package_checks_clean_with_the_project_configuration():
+    # what pyproject.toml's [tool.mypy] says is checked: any new error fails here
+    pytest.importorskip("mypy")
+    cache = Path(tempfile.gettempdir()) / "hookloop-mypy-cache-project"
+    command = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
+               "--cache-dir", str(cache)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "Success: no issues found" in output, output

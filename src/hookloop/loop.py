@@ -138,11 +138,11 @@ class Loop:
     # -- what plugins use -------------------------------------------------
 
     @property
-    def hook(self):
+    def hook(self) -> Any:
         """Call a hook: ``loop.hook.compute_loss(loop=loop, network=..., ...)``."""
         return self.plugins.hook
 
-    def print(self, *args, **kwargs):
+    def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` once per job: on the main process of the whole job
         (``accelerator.is_main_process``, rank 0), not once per machine as
         ``accelerator.print`` does (local main processes). Other processes
@@ -150,7 +150,7 @@ class Loop:
         if self.accelerator.is_main_process:
             print(*args, **kwargs)
 
-    def stop(self, reason: str | None = None, *, every_rank: bool = False):
+    def stop(self, reason: str | None = None, *, every_rank: bool = False) -> None:
         """Ask the loop to end the epoch at the next update boundary (at
         once, without accumulation) and finish the fit: the epoch's
         evaluation and ``on_epoch_end`` still run; the next ``fit``
@@ -161,11 +161,11 @@ class Loop:
         process calls it here (a decision taken together): at once."""
         self._agreement.stop(self.state, reason, every_rank)
 
-    def skip_batch(self):
+    def skip_batch(self) -> None:
         """From ``before_step``: do not train on the current batch."""
         self.state.skip_batch = True
 
-    def end_epoch(self, *, every_rank: bool = False):
+    def end_epoch(self, *, every_rank: bool = False) -> None:
         """End the current epoch at the next update boundary, as if its data
         had run out (the Hugging Face Trainer's ``should_epoch_stop``): its
         evaluation and ``on_epoch_end`` run, then the next epoch starts with
@@ -219,7 +219,7 @@ class Loop:
         run configuration. Returns whether trackers are running."""
         return self._logbook.trackers.start(project_name, config, init_kwargs)
 
-    def accumulate(self, *models):
+    def accumulate(self, *models: Any) -> contextlib.AbstractContextManager[Any]:
         """``accelerator.accumulate(*models)`` when gradient accumulation is
         on, else a context that does nothing (and costs nothing).
 
@@ -580,7 +580,7 @@ class Loop:
         finally:
             state.stage = before
 
-    def close(self):
+    def close(self) -> None:
         """Release the prepared objects (the loop cannot train afterwards).
 
         The process group stays: a second ``Loop`` in the same script (a

@@ -47,7 +47,7 @@ class Network:
     #: a metric of the epoch given to ``scheduler.step(value)`` (epoch interval)
     scheduler_monitor: str | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.unwrapped is None:
             self.unwrapped = self.model
         check_schedule(self)
@@ -75,11 +75,11 @@ class Network:
         in_groups = {id(p) for group in groups for p in group.get("params", ())}
         return [name for name, p in named() if p.requires_grad and id(p) not in in_groups]
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Network(name={self.name!r}, model={type(self.unwrapped).__name__})"
 
 
-def check_schedule(network) -> None:
+def check_schedule(network: Network) -> None:
     """A scheduler interval, frequency and monitor that mean something."""
     if network.scheduler_interval not in ("step", "epoch"):
         raise ValueError(f"Network: scheduler_interval must be 'step' or 'epoch', got "
@@ -92,7 +92,8 @@ def check_schedule(network) -> None:
                          "scheduler_interval='epoch': the metrics exist at the epoch's end")
 
 
-def networks_from(model, optimizer, scheduler, networks, strategy, schedule=None) -> dict[str, Network]:
+def networks_from(model: Any, optimizer: Any, scheduler: Any, networks: Any, strategy: Any,
+                  schedule: dict[str, Any] | None = None) -> dict[str, Network]:
     """``Loop(model=, optimizer=, scheduler=)`` or ``Loop(networks={...})`` as
     ``{name: Network}``, checked before anything is prepared: every model a
     ``torch.nn.Module``, every network the strategy trains with an optimizer,
@@ -148,7 +149,7 @@ def networks_from(model, optimizer, scheduler, networks, strategy, schedule=None
     return out
 
 
-def _class_name(cls) -> str:
+def _class_name(cls: Any) -> str:
     module = getattr(cls, "__module__", None)
     return cls.__qualname__ if module in (None, "builtins", "__main__") else f"{module}.{cls.__qualname__}"
 
@@ -178,7 +179,8 @@ def _refuse_shared(networks: Mapping[str, Network]) -> None:
             )
 
 
-def prepare(accelerator, networks: Mapping[str, Network], frozen, train_data, eval_data):
+def prepare(accelerator: Any, networks: Mapping[str, Network], frozen: Any, train_data: Any,
+            eval_data: Any) -> tuple[Any, Any]:
     """Pass every network's model, optimizer and scheduler and the data
     through ``accelerator.prepare`` (frozen networks through
     ``prepare_model(evaluation_mode=True)``: no DDP wrapper, eval mode),

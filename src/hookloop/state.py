@@ -86,10 +86,10 @@ class LoopState:
     #: the ``global_step`` of the last ``eval_every`` evaluation, and its
     #: metrics: an epoch that ends at that update is not evaluated twice
     evaluated_at: int | None = None
-    evaluation: dict = field(default_factory=dict, repr=False)
+    evaluation: dict[str, Any] = field(default_factory=dict, repr=False)
     #: the metrics the last epoch ended with (what :meth:`Loop.fit` returns,
     #: also when asked to fit a run that is already finished)
-    last_metrics: dict = field(default_factory=dict, repr=False)
+    last_metrics: dict[str, Any] = field(default_factory=dict, repr=False)
     #: the current epoch ended early (a stop, ``max_steps``) and its end
     #: (``on_train_epoch_end`` ... ``on_epoch_end``) ran at this position: a
     #: continuation that finds no batch left does not end it a second time
@@ -100,7 +100,7 @@ class LoopState:
     stopped: str | None = None
     #: per process: the random states the current epoch's data iterator
     #: started from (redrawn to continue the epoch in the same order)
-    epoch_start: dict | None = field(default=None, repr=False)
+    epoch_start: dict[str, Any] | None = field(default=None, repr=False)
     #: per process: ``loop.log(..., on_epoch=True)`` values of the epoch so far
     logged: EpochValues = field(default_factory=EpochValues, repr=False)
 
@@ -135,11 +135,11 @@ class LoopState:
     #: or ``None`` outside ``fit`` / ``evaluate`` / ``predict``
     stage: str | None = None
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """The position, as plain data (ints): a checkpoint's ``loop``."""
         return {key: getattr(self, key) for key in POSITION}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the position (a checkpoint's ``loop``). Unknown keys are
         an error: the checkpoint is not what this hookloop wrote."""
         for key, value in state.items():
@@ -151,7 +151,7 @@ class LoopState:
         if "micro_step" not in state:  # a hookloop 0.1 checkpoint: global_step counted batches
             self.micro_step = self.global_step
 
-    def run_dict(self) -> dict:
+    def run_dict(self) -> dict[str, Any]:
         """The rest of the run that every process shares, as plain data (a
         checkpoint's ``run``); the per-process parts (``epoch_start``,
         ``logged``) go into each process's rank file."""
@@ -163,7 +163,7 @@ class LoopState:
             "stopped": self.stopped,
         }
 
-    def load_run_dict(self, run: dict) -> None:
+    def load_run_dict(self, run: dict[str, Any]) -> None:
         """Restore :meth:`run_dict` (absent from 0.1 and 0.2 checkpoints: the
         defaults)."""
         evaluated_at = run.get("evaluated_at")
@@ -211,7 +211,7 @@ class LoopState:
         )
 
 
-def _plain(metrics: dict) -> dict[str, Any]:
+def _plain(metrics: dict[str, Any]) -> dict[str, Any]:
     """Metrics as numbers (a 0-d tensor read as one); anything else is left out."""
     out = {}
     for key, value in metrics.items():
@@ -222,7 +222,7 @@ def _plain(metrics: dict) -> dict[str, Any]:
     return out
 
 
-def _numbers(metrics: dict) -> dict[str, Any]:
+def _numbers(metrics: dict[str, Any]) -> dict[str, Any]:
     """Metrics as written by :meth:`LoopState.run_dict`: str -> number."""
     out = {}
     for key, value in metrics.items():
