@@ -32,7 +32,8 @@ class EveryTen:
 
 def mypy(*paths):
     pytest.importorskip("mypy")
-    cache = Path(tempfile.gettempdir()) / "hookloop-mypy-cache"
+    # one cache per Python: CI runs two Pythons' tests at once
+    cache = Path(tempfile.gettempdir()) / f"hookloop-mypy-cache-{sys.version_info[0]}.{sys.version_info[1]}"
     # the plugin author's settings, not the project's: strict for their
     # file, hookloop read from its annotations without checking its bodies
     command = [sys.executable, "-m", "mypy", "--config-file", os.devnull,
@@ -62,7 +63,7 @@ def test_a_typed_plugin_checks_clean_and_a_misspelt_attribute_is_rejected(tmp_pa
 def test_the_package_checks_clean_with_the_project_configuration():
     # what pyproject.toml's [tool.mypy] says is checked: any new error fails here
     pytest.importorskip("mypy")
-    cache = Path(tempfile.gettempdir()) / "hookloop-mypy-cache-project"
+    cache = Path(tempfile.gettempdir()) / f"hookloop-mypy-cache-project-{sys.version_info[0]}.{sys.version_info[1]}"
     command = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
                "--cache-dir", str(cache)]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
