@@ -12,7 +12,6 @@ import os
 import pickle
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,14 +25,9 @@ PATIENCE_S = 150
 def launch(out: Path, *args) -> subprocess.Popen:
     """sharded.py in two processes (``accelerate launch --multi_gpu
     --num_processes 2``, ``Accelerator(cpu=True)``), in a session of its own."""
-    for marker in out.glob("paused-*"):
-        marker.unlink()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", "0", str(SCRIPT), str(out), *map(str, args)]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    import runner
+
+    return runner.launch_two(out, *args, script=SCRIPT)
 
 
 def wait(process) -> str:

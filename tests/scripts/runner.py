@@ -106,17 +106,17 @@ def plain_python(out: Path, *args) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def launch_two(out: Path, *args) -> subprocess.Popen:
+def launch_two(out: Path, *args, script: Path = SCRIPT) -> subprocess.Popen:
     """The run in two processes: ``accelerate launch --multi_gpu
-    --num_processes 2`` (``--cpu`` would start one); resumable.py asks for
-    ``Accelerator(cpu=True)``. In its own session, so that the test can kill
-    the launcher and both ranks at once."""
+    --num_processes 2`` (``--cpu`` would start one); resumable.py (or
+    ``script``) asks for ``Accelerator(cpu=True)``. In its own session, so
+    that the test can kill the launcher and both ranks at once."""
     for marker in Path(out).glob("paused-*"):
         marker.unlink()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", "0", str(SCRIPT), str(out), *map(str, args)]
+           "--main_process_port", "0", str(script), str(out), *map(str, args)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
