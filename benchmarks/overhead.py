@@ -296,6 +296,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workloads", default=None,
                         help=f"comma-separated, from {','.join(WORKLOADS)} "
                              f"(default {','.join(DEFAULT)})")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated: only these variants of each workload (default: all)")
     parser.add_argument("--out", default=None, help="also write the table (markdown) here")
     parser.add_argument("--nondeterministic", action="store_true",
                         help="on CUDA, keep the default (non-deterministic) kernels: faster, "
@@ -332,6 +334,9 @@ def main(argv=None) -> int:
             parser.error(f"unknown workload(s) {unknown}; choose from {list(WORKLOADS)}")
     chosen = {w: chosen.get(w, WORKLOADS[w]) for w in names}
     chosen = {w: [v for v in vs if _available(w, v)] for w, vs in chosen.items()}
+    if args.variants:
+        only = {v.strip() for v in args.variants.split(",")}
+        chosen = {w: [v for v in vs if v in only] for w, vs in chosen.items()}
     repeats = args.repeats or (1 if args.quick else 6)
     header = f"hookloop overhead benchmark — {machine()}"
     print(header, file=sys.stderr)

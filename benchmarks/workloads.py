@@ -343,6 +343,9 @@ VARIANTS = {
     "hookloop-log": {"plugins": "logging"},
     # ten no-op plugins, each implementing every hook
     "hookloop-noop10": {"plugins": "noop10"},
+    # ablations (step_instructions.py): the defaults less one built-in plugin
+    "hookloop-nofinite": {"block": ["finite"]},
+    "hookloop-noprogress": {"block": ["progress"]},
 }
 
 
@@ -417,6 +420,7 @@ def run_hookloop(work: Workload, clock: EpochClock, accelerator, variant: str):
             train_data=work.dataloader,
             plugins=plugins,
             accelerator=accelerator,
+            block=VARIANTS[variant].get("block", ()),
         )
     loop.fit(epochs=work.epochs)
     # the plugins that ran (first called first), for the table's note

@@ -81,7 +81,10 @@ def reference() -> str:
     for name in hook_names():
         func = getattr(hookspecs, name)
         kind = "firstresult" if func.hookloop_spec.get("firstresult") else "broadcast"
-        out.append(f"### `{name}{inspect.signature(func)}`")
+        sig = inspect.signature(func)  # the arguments by name, as `hookloop hooks` prints them
+        sig = sig.replace(parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
+                          return_annotation=sig.empty)
+        out.append(f"### `{name}{sig}`")
         out.append("")
         out.append(f"*{kind}*")
         out.append("")

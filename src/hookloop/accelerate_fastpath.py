@@ -31,6 +31,9 @@ time; none of it changes a number.
   go (the device is the CPU: a CPU ``.to("cpu")`` returns the same tensor;
   ~8 µs a batch of two tensors).
 
+- ``end_of_dataloader()``: ``gradient_state.end_of_dataloader`` read from the
+  last of its weak references to dataloaders, as its properties read it.
+
 Anything else is handed to Accelerate unchanged: a gradient scaler (fp16),
 XLA, DeepSpeed/Megatron wrappers (subclasses of ``AcceleratedOptimizer``), a
 LOMO optimizer, an optimizer or accelerator whose ``step`` / ``zero_grad`` /
@@ -43,8 +46,9 @@ whose device is not the CPU.
 It is used only where the installed Accelerate's methods are the ones this
 module was checked against: ``VERIFIED`` holds a fingerprint of the source of
 ``AcceleratedOptimizer.step``, ``AcceleratedOptimizer.zero_grad``,
-``Accelerator.backward``, ``AcceleratedScheduler.step`` and
-``DataLoaderShard.__iter__`` (comments, docstrings and layout ignored). Another
+``Accelerator.backward``, ``AcceleratedScheduler.step``,
+``DataLoaderShard.__iter__`` and ``GradientState``'s dataloader properties
+(comments, docstrings and layout ignored). Another
 Accelerate with other code there gets Accelerate's own calls, and the test
 ``tests/test_accelerate_fastpath.py`` says so. ``HOOKLOOP_ACCELERATE_FASTPATH=0``
 switches the fast path off.
@@ -63,6 +67,7 @@ from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderShard
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
+from accelerate.state import GradientState
 from accelerate.utils import DistributedType, synchronize_rng_states
 
 from ._fingerprint import fingerprint  # also importable from here, as before
@@ -78,6 +83,11 @@ VERIFIED = {
     "Accelerator.backward": {"79c32c236a8bcd44"},
     "AcceleratedScheduler.step": {"9baf1057c2ae0095"},
     "DataLoaderShard.__iter__": {"f6a0dc946182432d"},
+    # the properties behind gradient_state.end_of_dataloader, read by end_of_dataloader()
+    "GradientState.end_of_dataloader": {"e4e207b8b594bcee"},
+    "GradientState.in_dataloader": {"bb7502ce3e61d642"},
+    "GradientState.active_dataloader": {"283eeeedc681bf81"},
+    "GradientState.dataloader_references": {"794ea7bb73db71e5"},
 }
 
 
@@ -90,6 +100,8 @@ def accelerate_verified() -> bool:
         "Accelerator.backward": Accelerator.backward,
         "AcceleratedScheduler.step": AcceleratedScheduler.step,
         "DataLoaderShard.__iter__": DataLoaderShard.__iter__,
+        **{f"GradientState.{name}": getattr(getattr(GradientState, name, None), "fget", None) for name in (
+            "end_of_dataloader", "in_dataloader", "active_dataloader", "dataloader_references")},
     }
     try:
         return all(fingerprint(f) in VERIFIED[name] for name, f in installed.items())
@@ -133,6 +145,17 @@ class FastPath:
     def sync_gradients(self) -> bool:
         """``accelerator.sync_gradients``."""
         return self._gradient_state.sync_gradients
+
+    def end_of_dataloader(self) -> bool:
+        """``accelerator.gradient_state.end_of_dataloader``: the active
+        dataloader's flag, read from the weak reference Accelerate keeps (its
+        properties build the list of every reference twice per read, ~1 µs;
+        the loop asks after every batch)."""
+        if not self.enabled:
+            return self._gradient_state.end_of_dataloader
+        last = self._gradient_state._dataloader_references_ref[-1]  # replaced, never mutated
+        active = None if last is None else last()
+        return active is not None and active.end_of_dataloader
 
     def backward(self, loss):
         """``accelerator.backward(loss)``."""

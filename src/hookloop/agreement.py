@@ -18,6 +18,8 @@ request takes effect at once.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -27,7 +29,7 @@ class Agreement:
     #: updates between two agreement points inside an epoch
     every = 10
 
-    def __init__(self, accelerator):
+    def __init__(self, accelerator: Any) -> None:
         self.accelerator = accelerator
         #: several processes: requests wait for an agreement point
         self.several = accelerator.num_processes > 1

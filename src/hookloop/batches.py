@@ -13,6 +13,12 @@ import torch
 
 
 def forward(model, batch):
+    kind = type(batch)  # the common exact types first: ABC checks cost ~0.1 µs each
+    if kind is list or kind is tuple:
+        if batch:
+            return model(batch[0])
+    elif kind is dict:
+        return model(**batch)
     if isinstance(batch, Mapping):
         return model(**batch)
     if isinstance(batch, torch.Tensor):
@@ -27,6 +33,9 @@ def forward(model, batch):
 
 
 def targets_of(batch):
+    kind = type(batch)
+    if (kind is list or kind is tuple) and len(batch) >= 2:
+        return batch[1]
     if isinstance(batch, Mapping):
         labels = batch.get("labels")
         return batch.get("label") if labels is None else labels
@@ -37,6 +46,8 @@ def targets_of(batch):
 
 def loss_of(outputs):
     """The loss a model computed itself (Hugging Face models given labels)."""
+    if type(outputs) is torch.Tensor:
+        return None
     if isinstance(outputs, Mapping):
         return outputs.get("loss")
     return getattr(outputs, "loss", None) if not isinstance(outputs, torch.Tensor) else None

@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
+from typing import Any, NoReturn
 
 from .strategies.base import StepOutput
 
-def run_length(epochs, max_steps):
+def run_length(epochs: int | None, max_steps: int | None) -> None:
     if (epochs is None) == (max_steps is None):
         raise ValueError(
             f"fit() takes exactly one of epochs=N or max_steps=N (got epochs={epochs!r}, "
@@ -20,12 +21,12 @@ def run_length(epochs, max_steps):
             raise ValueError(f"fit(): {label} must be a positive int, got {value!r}")
 
 
-def positive(label, value):
+def positive(label: str, value: Any) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ValueError(f"fit(): {label} must be a positive int or None, got {value!r}")
 
 
-def train_data(data):
+def train_data(data: Any) -> None:
     if data is None:
         raise ValueError("this Loop has no train_data: pass train_data=... to Loop(...)")
     try:
@@ -36,7 +37,7 @@ def train_data(data):
         raise ValueError("train_data is empty (0 batches): check the dataset and batch_size")
 
 
-def warn_nothing_to_do(state, epochs, max_steps):
+def warn_nothing_to_do(state: Any, epochs: int | None, max_steps: int | None) -> None:
     asked = f"fit(epochs={epochs})" if epochs is not None else f"fit(max_steps={max_steps})"
     where = (f"epoch {state.epoch}, update {state.global_step}"
              + (f", {state.step_in_epoch} batches into the epoch" if state.step_in_epoch else ""))
@@ -54,7 +55,7 @@ def warn_nothing_to_do(state, epochs, max_steps):
     )
 
 
-def accelerator_state(accelerator):
+def accelerator_state(accelerator: Any) -> None:
     """An ``Accelerator`` whose process-wide state was reset after it was
     made (creating ``transformers.TrainingArguments`` does that) fails later
     with an obscure ``AttributeError``: say what happened instead."""
@@ -68,7 +69,7 @@ def accelerator_state(accelerator):
         )
 
 
-def step_output(loop, result):
+def step_output(loop: Any, result: Any) -> StepOutput:
     if isinstance(result, StepOutput):
         return result
     impls = [i.plugin_name for i in reversed(loop.plugins.pm.hook.training_step.get_hookimpls())]
@@ -79,7 +80,7 @@ def step_output(loop, result):
     )
 
 
-def accumulation_changed_inside_step(before, now):
+def accumulation_changed_inside_step(before: int, now: int) -> NoReturn:
     raise ValueError(
         f"gradient_accumulation_steps changed from {before} to {now} inside training_step: "
         "this batch's loss was already divided by one and synchronised at the other. Change it "
@@ -88,7 +89,7 @@ def accumulation_changed_inside_step(before, now):
     )
 
 
-def accumulation_changed_in_group(before: int, new: int, in_group: int, update: int):
+def accumulation_changed_in_group(before: int, new: int, in_group: int, update: int) -> NoReturn:
     raise ValueError(
         f"gradient_accumulation_steps changed from {before} to {new} "
         f"{in_group} batch(es) into an accumulation group (update "

@@ -16,6 +16,8 @@ import inspect
 import json
 import re
 import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from . import hookspecs
 from ._version import __version__
@@ -38,14 +40,14 @@ DEMO_LINES = {
 }
 
 
-def plugin_rows(block=()) -> list[dict]:
+def plugin_rows(block: Iterable[str] = ()) -> list[dict[str, Any]]:
     """Every plugin a ``Loop`` could run: built-ins and installed ones, with
     whether it is active and why."""
     from .plugins import BUILTINS, FiniteCheck, ProgressBar
     from .strategies import GAN, Distillation, Supervised
 
     blocked = plugin_manager.blocked_names(block)
-    rows = []
+    rows: list[dict[str, Any]] = []
     # what Loop(...) registers without being asked: the default strategy, its
     # default plugins, the progress bar and the finiteness check
     strategy = Supervised()
@@ -102,10 +104,13 @@ CHANGES_TRAINING = {True: "yes", False: "no (an observer)", None: "not declared"
 
 def hook_reference() -> str:
     """The hook reference, from the hookspec docstrings."""
-    out = [inspect.cleandoc(hookspecs.__doc__), ""]
+    out = [inspect.cleandoc(hookspecs.__doc__ or ""), ""]
     for name in plugin_manager.hook_names():
         func = getattr(hookspecs, name)
-        sig = inspect.signature(func)
+        # the arguments by name, as a hookimpl takes them (their types: hookspecs.py)
+        sig = inspect.signature(func).replace(
+            parameters=[p.replace(annotation=p.empty) for p in inspect.signature(func).parameters.values()],
+            return_annotation=inspect.Signature.empty)
         first = " (firstresult)" if func.hookloop_spec.get("firstresult") else ""
         out.append(f"{name}{sig}{first}")
         out.append("-" * len(out[-1]))
@@ -114,7 +119,7 @@ def hook_reference() -> str:
     return "\n".join(out)
 
 
-def instance_rows(given) -> list[dict]:
+def instance_rows(given: Sequence[str]) -> list[dict[str, Any]]:
     """The plugins ``Loop(plugins=given)`` would register from a list of
     names (``"logger"``, or ``'logger={"every": 2}'`` with options as JSON):
     each instance's name (``logger``, ``logger-2``; an option ``name`` names
@@ -122,10 +127,10 @@ def instance_rows(given) -> list[dict]:
     from .plugins import BUILTINS
 
     installed = {i.name: i for i in plugin_manager.discover()}
-    entries = []
+    entries: list[tuple[Any, str | None, str, str]] = []
     for spec in given:
         name, _, options = spec.partition("=")
-        item = (name, json.loads(options)) if options else name
+        item: str | tuple[str, Any] = (name, json.loads(options)) if options else name
         plugin, source, explicit, base = plugin_manager.resolve_named(item, installed, BUILTINS)
         entries.append((plugin, explicit, base, source))
     return [
@@ -135,7 +140,7 @@ def instance_rows(given) -> list[dict]:
     ]
 
 
-def _cmd_plugins(args) -> int:
+def _cmd_plugins(args: argparse.Namespace) -> int:
     if args.given:
         rows = instance_rows(args.given)
         if args.json:
@@ -159,7 +164,7 @@ def _cmd_plugins(args) -> int:
     return 0
 
 
-def _cmd_hooks(args) -> int:
+def _cmd_hooks(args: argparse.Namespace) -> int:
     print(hook_reference())
     return 0
 
@@ -171,7 +176,8 @@ def demo_listing() -> str:
 
     width = max(map(len, DEMOS))
     text = max(len(DEMO_LINES.get(name, "")) for name in DEMOS)
-    lines, extras = [], {}
+    lines: list[str] = []
+    extras: dict[str, str] = {}
     for name in DEMOS:
         extra = EXTRAS.get(name, ("",))[0]
         lines.append(f"  {name:<{width}}  {DEMO_LINES.get(name, ''):<{text}}  "
@@ -196,7 +202,7 @@ def demo_help() -> str:
     ])
 
 
-def _cmd_demo(args) -> int:
+def _cmd_demo(args: argparse.Namespace) -> int:
     from .examples.demo_support import require_extra
 
     name = args.name or DEFAULT_DEMO
@@ -207,7 +213,7 @@ def _cmd_demo(args) -> int:
     if missing is not None:
         return missing
     module = importlib.import_module(f"hookloop.examples.{DEMOS[name]}")
-    return module.main(args.args) or 0
+    return int(module.main(args.args) or 0)
 
 
 def plain(text: str) -> str:
@@ -219,7 +225,7 @@ def plain(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="hookloop", description=plain(__doc__.splitlines()[0]),
+        prog="hookloop", description=plain((__doc__ or "hookloop").splitlines()[0]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"demos (hookloop demo NAME [OPTIONS], default {DEFAULT_DEMO}):\n" + demo_listing())
     parser.add_argument("--version", action="version", version=f"hookloop {__version__}")
@@ -245,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"] and argv[1:2] in (["-h"], ["--help"]):
         print(demo_help())  # the demos themselves; `hookloop demo NAME --help`: one demo's options
@@ -253,7 +259,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["demo"] and len(argv) > 1 and argv[1].startswith("-"):
         argv.insert(1, DEFAULT_DEMO)  # `hookloop demo --epochs 5`: options of the default demo
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    return int(args.func(args))
 
 
 if __name__ == "__main__":

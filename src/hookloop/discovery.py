@@ -24,8 +24,10 @@ from __future__ import annotations
 import inspect
 import os
 import warnings
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
+from typing import Any
 
 from .errors import PluginLoadError
 from .markers import ENTRY_POINT_GROUP
@@ -44,7 +46,7 @@ def _env_list(name: str) -> list[str] | None:
     return [part.strip() for part in value.split(",") if part.strip()]
 
 
-def blocked_names(extra=()) -> set[str]:
+def blocked_names(extra: Iterable[str] = ()) -> set[str]:
     return set(_env_list(ENV_BLOCK) or ()) | set(extra)
 
 
@@ -75,7 +77,7 @@ class Installed:
         dist = f"{self.distribution} {self.version}" if self.distribution else "?"
         return f"entry point {self.name!r} ({self.entry_point.value}) of distribution {dist}"
 
-    def instantiate(self, options=None):
+    def instantiate(self, options: Mapping[str, Any] | None = None) -> Any:
         """The plugin object to register: a class is called with ``options``,
         a module or an instance is used as it is."""
         if self.error is not None:
@@ -134,7 +136,7 @@ def discover() -> list[Installed]:
     return found
 
 
-def changes_training(plugin) -> bool | None:
+def changes_training(plugin: object) -> bool | None:
     """Whether a plugin (object or class) changes the numbers of a training
     run (loss, gradients, weights, data, stopping), as its author declared
     with a ``changes_training`` attribute: ``True``, ``False``, or ``None``
@@ -146,7 +148,7 @@ def changes_training(plugin) -> bool | None:
     return False if getattr(plugin, "autoload", False) is True else None
 
 
-def autoload_considered(name: str, block=()) -> bool:
+def autoload_considered(name: str, block: Iterable[str] = ()) -> bool:
     """Whether the environment lets an installed plugin of this name autoload
     at all (before looking at the plugin itself)."""
     if name in blocked_names(block) or os.environ.get(ENV_DISABLE_AUTOLOAD):
@@ -155,7 +157,7 @@ def autoload_considered(name: str, block=()) -> bool:
     return allow is None or name in allow
 
 
-def autoload_decision(item: Installed, block=()) -> tuple[bool, str]:
+def autoload_decision(item: Installed, block: Iterable[str] = ()) -> tuple[bool, str]:
     """Whether an installed plugin activates without being named, and why."""
     if item.name in blocked_names(block):
         return False, "blocked by name"

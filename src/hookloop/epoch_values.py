@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -28,7 +29,9 @@ class EpochValues:
             if isinstance(value, torch.Tensor):
                 value = value.detach().to(torch.float64)
                 count = value.numel()
-                part = {"mean": value.sum, "sum": value.sum, "max": value.max, "min": value.min}[reduce]()
+                methods: dict[str, Callable[[], torch.Tensor]] = {
+                    "mean": value.sum, "sum": value.sum, "max": value.max, "min": value.min}
+                part: torch.Tensor | float = methods[reduce]()
             else:
                 try:
                     part, count = float(value), 1
@@ -97,7 +100,7 @@ class EpochValues:
         if several:  # a key logged on one process only must not hang the others
             from accelerate.utils import gather_object
 
-            seen = {}
+            seen: dict[str, str] = {}
             for key, reduce in gather_object([(k, values[k][0]) for k in keys]):
                 seen.setdefault(key, reduce)
             keys = sorted(seen)

@@ -1,5 +1,7 @@
 """Exceptions hookloop raises. Each message names the culprit."""
 
+from __future__ import annotations
+
 import pluggy
 
 
@@ -9,7 +11,7 @@ class PluginValidationError(pluggy.PluginValidationError):
     Subclasses pluggy's own error so that code catching pluggy's still works.
     """
 
-    def __init__(self, plugin, message):
+    def __init__(self, plugin: object, message: str) -> None:
         super().__init__(plugin, message)
 
 
@@ -17,7 +19,8 @@ class PluginLoadError(ImportError):
     """An installed plugin (an entry point in the ``hookloop`` group) could
     not be imported or instantiated."""
 
-    def __init__(self, message, *, distribution=None, entry_point=None):
+    def __init__(self, message: str, *, distribution: str | None = None,
+                 entry_point: str | None = None) -> None:
         super().__init__(message)
         self.distribution = distribution
         self.entry_point = entry_point
@@ -33,11 +36,11 @@ def add_note(exc: BaseException, note: str) -> None:
     if not isinstance(notes, list):
         notes = []
     notes.append(note)
-    exc.__notes__ = notes
+    exc.__notes__ = notes  # type: ignore[attr-defined]  # Python 3.10: no __notes__ declared
     import sys
 
     if sys.version_info < (3, 11):
         try:
-            import exceptiongroup  # noqa: F401 - patches traceback printing of __notes__
+            import exceptiongroup  # type: ignore[import-not-found, unused-ignore]  # noqa: F401 - patches traceback printing of __notes__
         except ImportError:
             pass

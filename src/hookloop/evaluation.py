@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from accelerate.data_loader import DataLoaderStateMixin
@@ -102,7 +103,7 @@ def sanity_check(loop, data, logbook) -> None:
         run(loop, data, logbook, limit=1)
 
 
-def predict(loop, data):
+def predict(loop: Any, data: Any) -> Any:
     """The gathered ``eval_step`` outputs of every batch of ``data``, joined."""
     gather = loop.accelerator.gather_for_metrics
     parts = []
@@ -112,7 +113,7 @@ def predict(loop, data):
     return concat(parts)
 
 
-def loader_for(loop, data, required=False):
+def loader_for(loop: Any, data: Any, required: bool = False) -> Any:
     """The data to evaluate or predict: ``eval_data`` when ``data`` is None;
     a plain ``DataLoader`` prepared with the loop's accelerator (once per
     loader: ``loop._prepared`` remembers it)."""

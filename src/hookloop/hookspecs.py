@@ -2,7 +2,9 @@
 
 Each hook is one documented function, in the order the loop calls it. A plugin
 implements a hook by defining a method of the same name marked ``@hookimpl``;
-it may take any subset of the hook's arguments, by name.
+it may take any subset of the hook's arguments, by name. The annotations say
+what each argument is; ``loop`` is a :class:`hookloop.Loop` (annotated with
+its plugin-facing protocol, :class:`hookloop.protocols.LoopLike`).
 
 Call order for one epoch of supervised training with an evaluation set::
 
@@ -100,15 +102,25 @@ A first), user plugins before installed ones before built-in ones, and
 ``tryfirst`` / ``trylast`` move an implementation to the front or the back.
 """
 
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
 from .markers import hookspec
 
-# ---------------------------------------------------------------------------
-# fit: the whole run
-# ---------------------------------------------------------------------------
+if TYPE_CHECKING:  # names for the annotations only: nothing more is imported at run time
+    from torch import Tensor
+
+    from .network import Network
+    from .protocols import LoopLike  # not Loop: see hookloop.protocols
+    from .strategies.base import StepOutput
+
+# -- fit: the whole run ------------------------------------------------------
 
 
 @hookspec
-def on_loop_start(loop):
+def on_loop_start(loop: LoopLike) -> None:
     """Called once by ``Loop(...)`` when its plugins are registered, before
     it prepares the networks and data or restores ``resume_from``.
 
@@ -127,7 +139,7 @@ def on_loop_start(loop):
 
 
 @hookspec
-def on_loop_end(loop):
+def on_loop_end(loop: LoopLike) -> None:
     """Called once when :meth:`Loop.close` releases the loop (also for every
     loop still open at interpreter exit): undo what ``on_loop_start`` did.
 
@@ -140,7 +152,7 @@ def on_loop_end(loop):
 
 
 @hookspec
-def on_fit_start(loop):
+def on_fit_start(loop: LoopLike) -> None:
     """Called once at the start of :meth:`Loop.fit`, before the first epoch.
 
     Set up here: initialise trackers, open files (main process only), read
@@ -156,7 +168,7 @@ def on_fit_start(loop):
 
 
 @hookspec
-def on_fit_end(loop):
+def on_fit_end(loop: LoopLike) -> None:
     """Called once when :meth:`Loop.fit` finishes normally: all epochs or
     ``max_steps`` done, or a plugin called :meth:`Loop.stop`.
 
@@ -171,7 +183,7 @@ def on_fit_end(loop):
 
 
 @hookspec
-def on_exception(loop, exception):
+def on_exception(loop: LoopLike, exception: BaseException) -> None:
     """Called when anything raises inside :meth:`Loop.fit` or
     :meth:`Loop.evaluate`: a plugin, the model, the data.
 
@@ -189,13 +201,11 @@ def on_exception(loop, exception):
     """
 
 
-# ---------------------------------------------------------------------------
-# epoch
-# ---------------------------------------------------------------------------
+# -- epoch -------------------------------------------------------------------
 
 
 @hookspec
-def on_epoch_start(loop, epoch):
+def on_epoch_start(loop: LoopLike, epoch: int) -> None:
     """Called at the start of every training epoch, before its first batch.
 
     :param loop: the :class:`~hookloop.Loop`.
@@ -208,7 +218,7 @@ def on_epoch_start(loop, epoch):
 
 
 @hookspec
-def on_train_epoch_end(loop, epoch):
+def on_train_epoch_end(loop: LoopLike, epoch: int) -> None:
     """Called after the last training batch of an epoch, before its
     evaluation: when the data ran out, and also when a stop or ``max_steps``
     ended the epoch early (``loop.state.epoch_complete`` tells which).
@@ -226,7 +236,7 @@ def on_train_epoch_end(loop, epoch):
 
 
 @hookspec
-def on_epoch_end(loop, epoch, metrics):
+def on_epoch_end(loop: LoopLike, epoch: int, metrics: dict[str, float]) -> None:
     """Called at the end of every epoch, after its evaluation; also when a
     stop or ``max_steps`` ended the epoch early (then
     ``loop.state.epoch_complete`` is False and the next ``fit`` continues
@@ -251,7 +261,7 @@ def on_epoch_end(loop, epoch, metrics):
 
 
 @hookspec
-def on_safe_point(loop, epoch_end, fit_end):
+def on_safe_point(loop: LoopLike, epoch_end: bool, fit_end: bool) -> None:
     """Called where a checkpoint written now resumes exactly: dying right
     after it and resuming does what the uninterrupted run does next.
 
@@ -286,13 +296,11 @@ def on_safe_point(loop, epoch_end, fit_end):
     """
 
 
-# ---------------------------------------------------------------------------
-# step: one batch
-# ---------------------------------------------------------------------------
+# -- step: one batch ---------------------------------------------------------
 
 
 @hookspec
-def before_step(loop, batch):
+def before_step(loop: LoopLike, batch: Any) -> None:
     """Called for every training batch, before the strategy sees it.
 
     Inspect the batch or change it in place (a mapping's entries, a list's
@@ -312,7 +320,7 @@ def before_step(loop, batch):
 
 
 @hookspec(firstresult=True)
-def training_step(loop, batch):
+def training_step(loop: LoopLike, batch: Any) -> StepOutput | None:
     """Do everything one batch does: forward, loss, backward, optimizer steps.
 
     This is the *strategy* hook. The built-in supervised strategy (one network
@@ -336,7 +344,7 @@ def training_step(loop, batch):
 
 
 @hookspec
-def after_step(loop, batch, outputs, loss):
+def after_step(loop: LoopLike, batch: Any, outputs: Any, loss: Tensor | dict[str, Tensor]) -> None:
     """Called after every trained batch (not after skipped ones), under
     gradient accumulation after every micro-batch:
     ``loop.accelerator.sync_gradients`` is true after the batch that
@@ -363,13 +371,11 @@ def after_step(loop, batch, outputs, loss):
     """
 
 
-# ---------------------------------------------------------------------------
-# per network, inside training_step
-# ---------------------------------------------------------------------------
+# -- per network, inside training_step ---------------------------------------
 
 
 @hookspec(firstresult=True)
-def compute_loss(loop, network, batch, outputs):
+def compute_loss(loop: LoopLike, network: Network, batch: Any, outputs: Any) -> Tensor | None:
     """Return the loss to minimise for ``network`` on this batch.
 
     Called by the strategy once per network per batch. The built-in default
@@ -402,7 +408,7 @@ def compute_loss(loop, network, batch, outputs):
 
 
 @hookspec
-def before_backward(loop, network, loss):
+def before_backward(loop: LoopLike, network: Network, loss: Tensor) -> None:
     """Called before ``accelerator.backward(loss)`` for ``network``.
 
     :param loop: the :class:`~hookloop.Loop`.
@@ -417,7 +423,7 @@ def before_backward(loop, network, loss):
 
 
 @hookspec
-def after_backward(loop, network):
+def after_backward(loop: LoopLike, network: Network) -> None:
     """Called after ``accelerator.backward(loss)`` for ``network``: its
     gradients are in ``.grad``.
 
@@ -436,7 +442,7 @@ def after_backward(loop, network):
 
 
 @hookspec
-def before_optimizer_step(loop, network):
+def before_optimizer_step(loop: LoopLike, network: Network) -> None:
     """Called just before ``network.optimizer.step()``, on steps where
     gradients are synchronised (every step without accumulation).
 
@@ -450,7 +456,7 @@ def before_optimizer_step(loop, network):
 
 
 @hookspec
-def after_optimizer_step(loop, network):
+def after_optimizer_step(loop: LoopLike, network: Network) -> None:
     """Called just after ``network.optimizer.step()``, on steps where
     gradients are synchronised: the parameters are updated, the gradients
     not yet zeroed.
@@ -465,7 +471,7 @@ def after_optimizer_step(loop, network):
 
 
 @hookspec
-def before_scheduler_step(loop, network):
+def before_scheduler_step(loop: LoopLike, network: Network) -> None:
     """Called just before ``network.scheduler.step()``, on synchronised
     steps, for networks that have a scheduler.
 
@@ -479,7 +485,7 @@ def before_scheduler_step(loop, network):
 
 
 @hookspec
-def after_scheduler_step(loop, network):
+def after_scheduler_step(loop: LoopLike, network: Network) -> None:
     """Called just after ``network.scheduler.step()``, on synchronised steps,
     for networks that have a scheduler.
 
@@ -493,7 +499,7 @@ def after_scheduler_step(loop, network):
 
 
 @hookspec
-def before_zero_grad(loop, network):
+def before_zero_grad(loop: LoopLike, network: Network) -> None:
     """Called just before ``network.optimizer.zero_grad()``, on synchronised
     steps: the last chance to read this step's gradients.
 
@@ -508,7 +514,7 @@ def before_zero_grad(loop, network):
 
 
 @hookspec
-def after_zero_grad(loop, network):
+def after_zero_grad(loop: LoopLike, network: Network) -> None:
     """Called just after ``network.optimizer.zero_grad()``, on synchronised
     steps.
 
@@ -522,13 +528,11 @@ def after_zero_grad(loop, network):
     """
 
 
-# ---------------------------------------------------------------------------
-# evaluation
-# ---------------------------------------------------------------------------
+# -- evaluation --------------------------------------------------------------
 
 
 @hookspec
-def on_eval_start(loop):
+def on_eval_start(loop: LoopLike) -> None:
     """Called at the start of every evaluation, after the networks were put
     in eval mode: at the end of every epoch when the loop has ``eval_data``,
     every ``eval_every`` updates, for :meth:`Loop.evaluate`, and for the
@@ -551,7 +555,7 @@ def on_eval_start(loop):
 
 
 @hookspec(firstresult=True)
-def eval_step(loop, batch):
+def eval_step(loop: LoopLike, batch: Any) -> Any:
     """Run the forward pass of one evaluation batch, under
     ``torch.no_grad()``, and return its outputs.
 
@@ -575,7 +579,7 @@ def eval_step(loop, batch):
 
 
 @hookspec
-def after_eval_step(loop, batch, outputs):
+def after_eval_step(loop: LoopLike, batch: Any, outputs: Any) -> Mapping[str, Tensor] | None:
     """Called for every implementation after each evaluation batch, with
     the outputs ``eval_step`` returned: the place for metrics.
 
@@ -599,7 +603,7 @@ def after_eval_step(loop, batch, outputs):
 
 
 @hookspec
-def on_eval_end(loop, metrics):
+def on_eval_end(loop: LoopLike, metrics: dict[str, float]) -> None:
     """Called at the end of every evaluation, before the networks go back
     to train mode.
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numbers
 import sys
+from typing import Any
 
 import torch
 
@@ -45,7 +46,7 @@ class Logbook:
     """A loop's logging: the trackers (:class:`~hookloop.trackers.TrackerSession`),
     the evaluation's ``loop.log(on_epoch=True)`` values, who wrote which key."""
 
-    def __init__(self, accelerator, plugins):
+    def __init__(self, accelerator: Any, plugins: Any) -> None:
         self.accelerator = accelerator
         self.plugins = plugins
         self.trackers = TrackerSession(accelerator)
@@ -135,7 +136,7 @@ class Metrics(dict):
     wrote is an error naming both (unless one ``replaces`` the other), both
     raised where the plugin sets it."""
 
-    def __init__(self, items=(), *, plugins=None, owners=None):
+    def __init__(self, items: Any = (), *, plugins: Any = None, owners: dict[str, str] | None = None) -> None:
         super().__init__()
         self._plugins = plugins
         self._owners: dict[str, str | None] = {}
@@ -145,7 +146,7 @@ class Metrics(dict):
     def __setitem__(self, key, value):
         self._put(key, value, self._writer())
 
-    def update(self, *args, **kwargs):
+    def update(self, *args: Any, **kwargs: Any) -> None:
         writer = self._writer()
         for key, value in dict(*args, **kwargs).items():
             self._put(key, value, writer)

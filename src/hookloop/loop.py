@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from accelerate import Accelerator
@@ -73,22 +74,22 @@ class Loop:
 
     def __init__(
         self,
-        model=None,
-        optimizer=None,
-        scheduler=None,
+        model: Any = None,
+        optimizer: Any = None,
+        scheduler: Any = None,
         *,
         networks: Mapping[str, Network] | None = None,
-        strategy=None,
-        train_data=None,
-        eval_data=None,
-        plugins=(),
+        strategy: Any = None,
+        train_data: Any = None,
+        eval_data: Any = None,
+        plugins: Iterable[Any] = (),
         accelerator: Accelerator | None = None,
-        block=(),
+        block: Iterable[str] = (),
         prepare: bool = True,
-        resume_from=None,
+        resume_from: Any = None,
         scheduler_interval: str = "step",
         scheduler_frequency: int = 1,
-    ):
+    ) -> None:
         self.strategy = strategy if strategy is not None else Supervised()
         schedule = ({} if (scheduler_interval, scheduler_frequency) == ("step", 1) else
                     {"scheduler_interval": scheduler_interval, "scheduler_frequency": scheduler_frequency})
@@ -113,20 +114,20 @@ class Loop:
         self._closed = False
         self.hook.on_loop_start(loop=self)
         self._prepare_data = prepare
-        self._prepared = weakref.WeakKeyDictionary()  # DataLoader -> prepared, for evaluate/predict
+        self._prepared: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # DataLoader -> prepared, for evaluate/predict
         if prepare:
             self.train_data, self.eval_data = prepare_networks(
                 self.accelerator, self.networks, frozen, self.train_data, self.eval_data)
         #: ``gradient_accumulation_steps`` as the loop was built (a checkpoint
         #: records it); a plugin may change it at update boundaries during a fit
-        self.configured_accumulation = self.accelerator.gradient_accumulation_steps
+        self.configured_accumulation: int = self.accelerator.gradient_accumulation_steps
         self._start_accumulation()  # read again when fit() starts
-        self._resume = None  # how to continue after load_checkpoint, used by the next epoch
+        self._resume: rng.Resume | None = None  # how to continue after load_checkpoint, used by the next epoch
         self._logbook = Logbook(self.accelerator, self.plugins)  # loop.log, trackers, metrics
         self._agreement = Agreement(self.accelerator)  # stops asked on some processes only
         self._safe = False  # inside on_safe_point
         #: the checkpoint directory the last :meth:`load_checkpoint` restored
-        self.resumed_from = None
+        self.resumed_from: Path | None = None
         _open_loops.add(self)
         if resume_from is not None:
             try:
@@ -208,8 +209,8 @@ class Loop:
         """
         self._logbook.log(self.state, values, on_step, on_epoch, reduce, self._logbook.writer(1))
 
-    def start_trackers(self, project_name: str = "hookloop", config: dict | None = None,
-                       init_kwargs: dict | None = None) -> bool:
+    def start_trackers(self, project_name: str = "hookloop", config: dict[str, Any] | None = None,
+                       init_kwargs: dict[str, Any] | None = None) -> bool:
         """Start the accelerator's trackers (``accelerator.init_trackers``)
         if it has some configured and none started; the loop finishes the
         trackers it started when the fit ends, by any path.
@@ -243,7 +244,7 @@ class Loop:
 
     def fit(self, epochs: int | None = None, *, max_steps: int | None = None,
             eval_every: int | None = None, sanity_check: bool = True,
-            resume_from=None) -> dict:
+            resume_from: Any = None) -> dict[str, Any]:
         """Train until ``state.epoch == epochs`` or ``state.global_step ==
         max_steps`` (exactly one of them; steps are optimizer updates), or
         until a plugin calls :meth:`stop`. Counts are totals over the run, so
@@ -305,7 +306,7 @@ class Loop:
             with self._stage("sanity"):
                 evaluation.sanity_check(self, self.eval_data, self._logbook)
 
-    def _run_epoch(self, eval_every) -> str:
+    def _run_epoch(self, eval_every: int | None) -> str:
         """Train the current epoch, or the rest of it; return why it ended
         (:data:`~hookloop.state.DATA`, ``END_EPOCH``, ``STOP``, ``MAX_STEPS``)."""
         state = self.state
@@ -329,7 +330,7 @@ class Loop:
             batches = self._fastpath.batches(self.train_data)
         return self._train(batches, eval_every, loaders_before)
 
-    def _train(self, batches, eval_every, loaders_before) -> str:
+    def _train(self, batches: Iterable[Any], eval_every: int | None, loaders_before: list[Any]) -> str:
         """The batch loop: every batch, then at each update its scheduled
         evaluation and its safe point. Returns why the epoch ended."""
         state, hook = self.state, self.hook
@@ -339,7 +340,7 @@ class Loop:
         in_group = 0  # batches of the current accumulation group trained so far
         length = length_of(self.train_data)  # batches in a whole epoch, if known
         prepared = isinstance(self.train_data, DataLoaderStateMixin)  # knows its last batch
-        logbook, agreement = self._logbook, self._agreement
+        logbook, agreement, at_end = self._logbook, self._agreement, self._fastpath.end_of_dataloader
         for batch in batches:
             logbook.step = state.global_step + 1  # what this batch's values are logged at
             hook.before_step(loop=self, batch=batch)
@@ -367,7 +368,7 @@ class Loop:
             if in_group:
                 continue  # a stop, an evaluation, a safe point: at the end of the accumulation group
             last = ((length is not None and state.step_in_epoch >= length)
-                    or (prepared and gradient_state.end_of_dataloader))
+                    or (prepared and at_end()))  # gradient_state.end_of_dataloader
             if agreement.several and updated and not last and agreement.due(state.global_step):
                 agreement.agree(state)  # a stop asked on some processes only: on all, here
             reason = None if last else self._early_end()
@@ -415,7 +416,7 @@ class Loop:
         hook.on_train_epoch_end(loop=self, epoch=epoch)
         # an epoch ended early keeps its loop.log values: the next fit continues it
         owners = dict(state.logged.owners)
-        metrics = Metrics(state.logged.reduce(self.accelerator, clear=complete),
+        metrics: dict[str, Any] = Metrics(state.logged.reduce(self.accelerator, clear=complete),
                           plugins=self.plugins, owners=owners)
         if self.eval_data is not None:
             if state.evaluated_at == state.global_step and state.evaluated_at is not None:
@@ -450,12 +451,12 @@ class Loop:
         finally:
             self._safe = False
 
-    def _start_accumulation(self):
+    def _start_accumulation(self) -> None:
         """Read ``gradient_accumulation_steps`` for this fit (a plugin may set
         it in ``on_fit_start``). Accelerate's micro-step counter restarts:
         a fit starts at an update boundary."""
         acc = self.accelerator
-        self._accumulation = acc.gradient_accumulation_steps
+        self._accumulation: int = acc.gradient_accumulation_steps
         self._accumulating = self._accumulation > 1
         acc.step = 0
         self._fastpath = FastPath(acc)
@@ -473,8 +474,8 @@ class Loop:
 
     # -- checkpoints ---------------------------------------------------------------
 
-    def load_checkpoint(self, path="latest", *, strict: bool = True, trust_pickles=(),
-                        weights_only: bool = False, position=None):
+    def load_checkpoint(self, path: Any = "latest", *, strict: bool = True, trust_pickles: Iterable[str] = (),
+                        weights_only: bool = False, position: Any = None) -> Path | None:
         """Restore a checkpoint written by :class:`hookloop.plugins.Checkpoint`:
         every network's model, optimizer and scheduler, every process's
         random states, the run state and each stateful plugin's state; the
@@ -529,7 +530,7 @@ class Loop:
 
     # -- evaluation and prediction -------------------------------------------
 
-    def evaluate(self, data=None) -> dict:
+    def evaluate(self, data: Any = None) -> dict[str, Any]:
         """Evaluate on ``data`` (default ``eval_data``; a ``DataLoader`` is
         prepared for you) without gradients, in eval mode: ``on_eval_start``,
         per batch ``eval_step`` then ``after_eval_step``, ``on_eval_end``.
@@ -547,7 +548,7 @@ class Loop:
             self._agreement.agree(self.state)
         return metrics
 
-    def predict(self, data) -> Any:
+    def predict(self, data: Any) -> Any:
         """The outputs of ``eval_step`` (the model's forward outputs, for the
         built-in strategies) for every example of ``data``, in data order,
         gathered over processes with ``gather_for_metrics`` (every process
@@ -559,7 +560,7 @@ class Loop:
         with self.plugins.guard(self), self._stage("predict"):
             return evaluation.predict(self, data)
 
-    def _evaluate(self, data, keep_rng: bool, metrics: dict | None = None) -> dict:
+    def _evaluate(self, data: Any, keep_rng: bool, metrics: dict[str, Any] | None = None) -> dict[str, Any]:
         """One evaluation. ``keep_rng``: put the global random states back
         afterwards (iterating a DataLoader draws a seed from them), so that
         an evaluation in the middle of an epoch changes nothing in training.
@@ -572,7 +573,7 @@ class Loop:
     # -- context of a fit ------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _stage(self, stage):
+    def _stage(self, stage: str) -> Iterator[None]:
         state = self.state
         before, state.stage = state.stage, stage
         try:
@@ -597,7 +598,7 @@ class Loop:
         finally:
             self._release()
 
-    def _release(self):
+    def _release(self) -> None:
         for network in self.networks.values():
             network.model = network.unwrapped
             network.optimizer = network.scheduler = None

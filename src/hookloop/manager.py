@@ -28,7 +28,8 @@ import inspect
 import os
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -58,13 +59,30 @@ from .validation import (  # noqa: F401 - hookloop.manager's names, as before
     validate,
 )
 
+if TYPE_CHECKING:
+    from pluggy import HookImpl
+
+    from .protocols import LoopLike
+
 ENV_TRACE = "HOOKLOOP_TRACE"
+
+#: hookloop.manager's names: its own, and the ones now in discovery and validation
+__all__ = [
+    "ENV_BLOCK", "ENV_DISABLE_AUTOLOAD", "ENV_LOAD", "ENV_TRACE", "FOREIGN_HOOKS", "Installed",
+    "PluginManager", "UnmarkedHookWarning", "_spec_args", "autoload_considered",
+    "autoload_decision", "blocked_names", "changes_training", "discover", "explicit_name",
+    "hook_names", "implemented_hooks", "name_instances", "plugin_name", "resolve_named",
+    "suggest_hook", "validate", "warn_broken",
+]
+
+#: one plugin as the naming takes it: (plugin, explicit name or None, base name, source)
+Entry = tuple[Any, "str | None", str, str]
 
 
 class PluginManager:
     """pluggy's manager plus validation, ordering, names and attribution."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.pm = pluggy.PluginManager(PROJECT_NAME)
         self.pm.add_hookspecs(hookspecs)
         #: name -> where it came from ("built-in", "code", or an entry point)
@@ -76,12 +94,12 @@ class PluginManager:
         if os.environ.get(ENV_TRACE):
             self._enable_tracing()
 
-    def register(self, plugin, name: str, source: str) -> None:
+    def register(self, plugin: object, name: str, source: str) -> None:
         if self.pm.is_registered(plugin):  # before validation: its warnings were given once
             raise PluginValidationError(
                 plugin,
                 f"plugin {name!r} is given twice (the same object): from "
-                f"{self.sources.get(self.pm.get_name(plugin), '?')} and from {source}. "
+                f"{self.sources.get(self.pm.get_name(plugin) or '', '?')} and from {source}. "
                 "Give it once, or make a second instance.",
             )
         validate(plugin, name)
@@ -99,7 +117,8 @@ class PluginManager:
         self._order_trylast()
         self.refresh()
 
-    def register_all(self, given, *, strategy, defaults, builtins, block=()) -> None:
+    def register_all(self, given: Iterable[Any], *, strategy: Any, defaults: Sequence[object],
+                     builtins: Mapping[str, Any], block: Iterable[str] = ()) -> None:
         """Register a loop's plugins so that calls go: ``given`` (in order),
         switched-on installed plugins, then the built-ins (``strategy``
         first, then its ``defaults``). pluggy calls the last registered
@@ -114,8 +133,8 @@ class PluginManager:
         blocked = blocked_names(block)
         if strategy.name in blocked:
             raise PluginValidationError(strategy, f"the strategy {strategy.name!r} cannot be blocked")
-        installed = None
-        user = []
+        installed: dict[str, Installed] | None = None
+        user: list[Entry] = []
         for i, item in enumerate(given):
             if isinstance(item, (str, tuple)):
                 if installed is None:
@@ -125,11 +144,11 @@ class PluginManager:
                 plugin, source, explicit = item, "code", explicit_name(item)
                 base = plugin_name(item)
             user.append((plugin, explicit, base, f"{source}, plugins[{i}]"))
-        user = name_instances(user)
-        user_names = {name for _, name, _ in user}
+        named = name_instances(user)
+        user_names = {name for _, name, _ in named}
         if installed is None and not os.environ.get(ENV_DISABLE_AUTOLOAD):
             installed = {i.name: i for i in discover()}
-        auto = []
+        auto: list[tuple[Any, str, str]] = []
         for item in (installed or {}).values():
             if item.name in user_names or not autoload_considered(item.name, block):
                 continue
@@ -139,7 +158,7 @@ class PluginManager:
                 auto.append((item.instantiate(), item.name, item.describe()))
         builtin = [(p, plugin_name(p), "built-in") for p in [strategy, *defaults]]
         builtin = [b for b in builtin if b[1] not in user_names or b[0] is strategy]
-        for plugin, name, source in [*builtin, *reversed(auto), *reversed(user)]:
+        for plugin, name, source in [*builtin, *reversed(auto), *reversed(named)]:
             if name in blocked:
                 continue
             self.register(plugin, name, source)
@@ -154,13 +173,14 @@ class PluginManager:
         after changing implementations or adding call monitoring by hand."""
         self.hook = HookRelay(self.pm)
 
-    def add_hookcall_monitoring(self, before, after):
+    def add_hookcall_monitoring(self, before: Callable[..., None],
+                                after: Callable[..., None]) -> Callable[[], None]:
         """pluggy's ``add_hookcall_monitoring``, then :meth:`refresh`, so
         that the monitoring sees every call. Returns the undo function."""
         undo = self.pm.add_hookcall_monitoring(before, after)
         self.refresh()
 
-        def undo_and_refresh():
+        def undo_and_refresh() -> None:
             undo()
             self.refresh()
 
@@ -203,10 +223,10 @@ class PluginManager:
     def names(self) -> list[str]:
         return [name for name, plugin in self.pm.list_name_plugin() if plugin is not None]
 
-    def get(self, name: str):
+    def get(self, name: str) -> Any:
         return self.pm.get_plugin(name)
 
-    def name_of(self, plugin) -> str | None:
+    def name_of(self, plugin: object) -> str | None:
         """The name ``plugin`` (the object) is registered under (``"logger"``,
         ``"logger-2"``, a name of its own), or None if it is not registered.
         A plugin with several instances names what it logs with it::
@@ -219,7 +239,7 @@ class PluginManager:
             return None
 
     @contextlib.contextmanager
-    def guard(self, loop):
+    def guard(self, loop: LoopLike) -> Iterator[None]:
         """Call ``on_exception`` for anything that escapes the block, and name
         the plugin and hook an exception came out of in a note on the
         exception (``except ValueError`` around ``fit`` still catches a
@@ -266,7 +286,7 @@ class PluginManager:
         preset = getattr(exc, "hookloop_culprit", None)
         if isinstance(preset, tuple) and len(preset) == 2:
             return preset
-        by_code: dict = {}
+        by_code: dict[Any, list[tuple[HookImpl, str]]] = {}
         for hook in hook_names():
             for impl in getattr(self.pm.hook, hook).get_hookimpls():
                 code = getattr(impl.function, "__code__", None)
@@ -287,18 +307,19 @@ class PluginManager:
             tb = tb.tb_next
         return found
 
-    def _enable_tracing(self):
-        def before(hook_name, hook_impls, kwargs):
+    def _enable_tracing(self) -> None:
+        def before(hook_name: str, hook_impls: Sequence[HookImpl], kwargs: Mapping[str, Any]) -> None:
             names = ", ".join(impl.plugin_name for impl in hook_impls)
             print(f"[hookloop] {hook_name} -> {names}", file=sys.stderr)
 
-        def after(outcome, hook_name, hook_impls, kwargs):
+        def after(outcome: Any, hook_name: str, hook_impls: Sequence[HookImpl],
+                  kwargs: Mapping[str, Any]) -> None:
             pass
 
         self.add_hookcall_monitoring(before, after)
 
 
-def _trylast_ordered(impls, order):
+def _trylast_ordered(impls: Sequence[HookImpl], order: Mapping[str, int]) -> list[HookImpl]:
     """``impls`` (pluggy's order) with each block of ``trylast``
     implementations (plain ones, then wrappers) sorted by registration."""
     out = list(impls)
@@ -323,7 +344,7 @@ _COLLECTIVE_SIGNS = ("collective mismatch", "doesn't match expected size", "op.p
                      "ProcessGroupNCCL", "NCCL error", "Watchdog caught collective")
 
 
-def _collective_failure(loop, exc) -> bool:
+def _collective_failure(loop: LoopLike, exc: BaseException) -> bool:
     """Whether ``exc`` looks like processes that disagreed on a collective."""
     try:
         several = loop.accelerator.num_processes > 1
@@ -335,7 +356,7 @@ def _collective_failure(loop, exc) -> bool:
     return any(sign in text for sign in _COLLECTIVE_SIGNS) or "DistBackendError" in type(exc).__name__
 
 
-def plugin_name(plugin) -> str:
+def plugin_name(plugin: Any) -> str:
     """A plugin's name: its ``name`` attribute, else its class (or module) name.
     A class given instead of an instance is named after itself (``GradClip``,
     not ``type``), so that the error refusing it names it."""
@@ -343,11 +364,11 @@ def plugin_name(plugin) -> str:
     if isinstance(name, str) and name:
         return name
     if inspect.ismodule(plugin) or inspect.isclass(plugin):
-        return plugin.__name__
+        return str(plugin.__name__)
     return type(plugin).__name__
 
 
-def explicit_name(plugin) -> str | None:
+def explicit_name(plugin: Any) -> str | None:
     """The name a plugin object was given itself (an instance attribute
     ``name``, a module's name), or None: then it is named after its class,
     and several instances are told apart by number."""
@@ -357,7 +378,7 @@ def explicit_name(plugin) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
-def name_instances(entries):
+def name_instances(entries: Sequence[Entry]) -> list[tuple[Any, str, str]]:
     """``(plugin, explicit name or None, base name, source)`` ->
     ``(plugin, name, source)``.
 
@@ -367,7 +388,7 @@ def name_instances(entries):
     then ``"logger-3"``: deterministic, so the same script gives the same
     names and a checkpoint's plugin states find their plugins again."""
     taken = {explicit for _, explicit, _, _ in entries if explicit is not None}
-    out = []
+    out: list[tuple[Any, str, str]] = []
     for plugin, explicit, base, source in entries:
         name = explicit
         if name is None:
@@ -380,7 +401,8 @@ def name_instances(entries):
     return out
 
 
-def resolve_named(item, installed, builtins):
+def resolve_named(item: Any, installed: Mapping[str, Installed],
+                  builtins: Mapping[str, Any]) -> tuple[Any, str, str | None, str]:
     """A plugin given by name (a built-in of ``builtins``, name -> class, or
     an installed one): ``(plugin, source, explicit name or None, base name)``.
     ``("logger", {"name": "fast", "every": 2})``: the option ``name`` names

@@ -13,6 +13,7 @@ import itertools
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -304,7 +305,7 @@ def shuffling_from(data, state, iterated=None):
 _END = object()
 
 
-def rest_of_epoch(accelerator, state, data, resume):
+def rest_of_epoch(accelerator: Any, state: Any, data: Any, resume: Resume | None) -> Any:
     """The batches of the current epoch after ``state.step_in_epoch``, in the
     order the epoch drew, or None if none is left of an epoch whose end
     already ran (``state.epoch_ended``). A stateful loader

@@ -16,6 +16,8 @@ import difflib
 import functools
 import inspect
 import warnings
+from collections.abc import Iterable
+from typing import Any
 
 from . import hookspecs
 from ._pluggy import varnames
@@ -42,7 +44,7 @@ def _spec_args(name: str) -> tuple[str, ...]:
     return varnames(getattr(hookspecs, name))[0]
 
 
-def implemented_hooks(plugin) -> list[str]:
+def implemented_hooks(plugin: object) -> list[str]:
     """The hook names a plugin object marks with ``@hookimpl``."""
     if inspect.isclass(plugin):  # look at the methods without instantiating
         candidates = {n: getattr(plugin, n, None) for n in dir(plugin)}
@@ -112,7 +114,7 @@ FOREIGN_HOOKS = {
 _STATE_METHODS = ("state_dict", "load_state_dict")
 
 
-def suggest_hook(hook: str, valid=None) -> str:
+def suggest_hook(hook: str, valid: Iterable[str] | None = None) -> str:
     """A hint for a method marked ``@hookimpl`` whose name is no hookloop
     hook: the hook that does the job when the name is another library's (see
     :data:`FOREIGN_HOOKS`), else the closest hook name; ``""`` if none."""
@@ -131,7 +133,7 @@ def suggest_hook(hook: str, valid=None) -> str:
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
-def validate(plugin, name: str) -> None:
+def validate(plugin: object, name: str) -> None:
     """Raise :class:`PluginValidationError`, naming the plugin, the method and
     the valid choices, for anything pluggy would accept silently or report
     only at call time."""
@@ -214,7 +216,7 @@ def validate(plugin, name: str) -> None:
         )
 
 
-def _check_signature(plugin, name, attr, hook, method) -> None:
+def _check_signature(plugin: object, name: str, attr: str, hook: str, method: Any) -> None:
     """A hook implementation names the arguments it takes: pluggy passes
     nothing to ``*args`` / ``**kwargs`` (they would silently stay empty)."""
     try:

@@ -135,6 +135,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a script run twice in fresh processes, ~25 s
 def test_running_a_script_twice_gives_two_run_folders_and_latest_continues_the_newest(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)

@@ -129,6 +129,7 @@ def _held(process, out, rank=0):
     return json.loads(marker.read_text())
 
 
+@pytest.mark.slow  # three fresh processes, ~20 s
 def test_sigterm_during_start_up_in_load_checkpoint_exits_75_and_the_run_resumes(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -150,6 +151,7 @@ def test_sigterm_during_start_up_in_load_checkpoint_exits_75_and_the_run_resumes
     assert runner.same(final, reference) == []
 
 
+@pytest.mark.slow  # three fresh processes, ~20 s
 def test_sigterm_during_a_predict_after_fit_exits_75_and_marks_the_root(tmp_path):
     process = runner.plain_python(tmp_path, *ARGS, "--predict", "--pause", "predict:2")
     _held(process, tmp_path)

@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from paths import ROOT
+
+pytestmark = pytest.mark.slow  # every workload and variant in fresh processes, ~1 min
 
 BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))

@@ -312,6 +312,31 @@ def test_batches_come_as_accelerate_yields_them_with_the_last_one_flagged():
     assert len(seen) == 4 and all(torch.equal(a, b) for a, b in zip(seen_fast, seen, strict=True))
 
 
+def test_the_end_of_the_data_is_read_as_accelerates_property_reads_it():
+    """The loop asks after every batch whether it was the last: the fast path's
+    answer is gradient_state.end_of_dataloader's, with no loader, with the
+    fast iteration, with Accelerate's own, and for an outer loader again once
+    a loader iterated inside it has ended."""
+    reset_accelerate()
+    acc = Accelerator()
+    fast = fastpath.FastPath(acc)
+    assert fast.enabled
+    state = acc.gradient_state
+
+    def both():
+        return fast.end_of_dataloader(), state.end_of_dataloader
+
+    assert both() == (False, False)
+    assert [both() for _ in fast.batches(_loader(acc))] == [(False, False)] * 3 + [(True, True)]
+    outer = []
+    for _ in _loader(acc):  # Accelerate's own iteration
+        inner = [both() for _ in fast.batches(_loader(acc))]
+        assert inner == [(False, False)] * 3 + [(True, True)]
+        outer.append(both())
+    assert outer == [(False, False)] * 3 + [(True, True)]
+    assert both() == (False, False)
+
+
 def test_a_loader_skipping_a_resumed_epoch_s_first_batches_yields_the_same_rest():
     reset_accelerate()
     acc = Accelerator()

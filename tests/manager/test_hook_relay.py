@@ -115,3 +115,51 @@ def test_call_monitoring_sees_every_call():
                                             lambda *args: None)
     loop.fit(max_steps=1)
     assert {"training_step", "compute_loss"} <= set(seen)
+
+
+UPDATE_HOOKS = ("before_optimizer_step", "after_optimizer_step", "before_scheduler_step",
+                "after_scheduler_step", "before_zero_grad", "after_zero_grad")
+
+
+def test_hooks_nobody_implements_are_left_out_until_a_plugin_implements_one():
+    """The default per-step path skips the calls of the update and backward hooks
+    (no default plugin implements them); a plugin registered between two fits
+    gets every call of the one it implements."""
+    loop = tiny_loop()
+    assert loop.hook.unimplemented(UPDATE_HOOKS)
+    assert loop.hook.unimplemented(("before_backward", "after_backward"))
+    loop.fit(max_steps=2)
+
+    class Count:
+        name = "count"
+
+        def __init__(self):
+            self.calls = []
+
+        @hookimpl
+        def after_zero_grad(self, loop):
+            self.calls.append(loop.state.global_step)
+
+        @hookimpl
+        def before_backward(self, loss):
+            self.calls.append("backward")
+
+    count = Count()
+    loop.plugins.register(count, "count", "test")
+    assert not loop.hook.unimplemented(UPDATE_HOOKS)
+    loop.fit(max_steps=4)
+    # zero_grad of update n runs before global_step counts it
+    assert count.calls == ["backward", 2, "backward", 3]
+
+
+def test_the_default_finite_check_implements_no_backward_hook():
+    """FiniteCheck() has nothing to do after a backward: it is not called there
+    (every step would pay for the call); FiniteCheck(action="skip") is."""
+    from hookloop.plugins import FiniteCheck
+
+    def implementers(finite):
+        loop = tiny_loop([finite])  # replaces the default of the same name
+        return [i.plugin_name for i in loop.plugins.pm.hook.after_backward.get_hookimpls()]
+
+    assert "finite" not in implementers(FiniteCheck())
+    assert "finite" in implementers(FiniteCheck(action="skip"))

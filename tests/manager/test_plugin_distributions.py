@@ -145,6 +145,7 @@ def test_pip_install_lists_each_plugin_with_its_distribution_and_version(plugin_
     assert "autoload = True" in rows["profiler"]["reason"]
 
 
+@pytest.mark.slow  # pip installs and fresh interpreters, 10-20 s each
 def test_uninstalling_removes_it(plugin_venv):
     plugin_venv.uninstall("hookloop-early-stopping")
     try:
@@ -154,6 +155,7 @@ def test_uninstalling_removes_it(plugin_venv):
         plugin_venv.install(ROOT / "plugins" / "hookloop-early-stopping", tmp=plugin_venv.tmp)
 
 
+@pytest.mark.slow  # pip installs and fresh interpreters, 10-20 s each
 def test_installed_but_not_switched_on_training_is_bit_for_bit_the_same(plugin_venv, tmp_path):
     # without the plugins: this interpreter (the fixture checked they are not here)
     out = tmp_path / "bare.json"
@@ -213,6 +215,7 @@ BROKEN = {
 }
 
 
+@pytest.mark.slow  # pip installs and fresh interpreters, 10-20 s each
 def test_a_broken_distribution_is_named_and_takes_nothing_down(plugin_venv, tmp_path):
     folder = tmp_path / "hookloop-broken-demo"
     folder.mkdir()
@@ -238,6 +241,7 @@ def test_a_broken_distribution_is_named_and_takes_nothing_down(plugin_venv, tmp_
     assert "a_module_nobody_installed" in error["message"]
 
 
+@pytest.mark.slow  # pip installs and fresh interpreters, 10-20 s each
 def test_new_plugin_output_installs_and_its_tests_pass(plugin_venv, tmp_path, capsys):
     from hookloop.cli import main
 
@@ -254,6 +258,7 @@ def test_new_plugin_output_installs_and_its_tests_pass(plugin_venv, tmp_path, ca
     assert "3 passed" in tests.stdout
 
 
+@pytest.mark.slow  # pip installs and fresh interpreters, 10-20 s each
 def test_each_plugin_s_own_tests_pass_once_installed(plugin_venv):
     tests = plugin_venv.run("-m", "pytest", "-q", "-p", "no:cacheprovider",
                             *(str(d / "tests") for d in PLUGIN_DIRS), cwd=ROOT, check=False)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import random
 import re
+from typing import Any
 
 import numpy as np
 import torch
@@ -130,7 +131,7 @@ def describe_networks(loop, files=None, unprepared=None) -> dict:
     out = {}
     names = {"model": model_file, "optimizer": optimizer_file, "scheduler": scheduler_file}
     for name, net in loop.networks.items():
-        entry = {}
+        entry: dict[str, Any] = {}
         for part, objects in (("model", acc._models), ("optimizer", acc._optimizers),
                               ("scheduler", scheduler_objects(acc))):
             obj = getattr(net, part)
@@ -274,7 +275,7 @@ def _load_model_state(model, state: dict) -> None:
     weights are stored once)."""
     from safetensors.torch import _remove_duplicate_names
 
-    to_removes = _remove_duplicate_names(model.state_dict(), preferred_names=state.keys())
+    to_removes = _remove_duplicate_names(model.state_dict(), preferred_names=list(state))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = set(missing)
     for group in to_removes.values():

@@ -144,7 +144,8 @@ def plan(loop, path, doc: dict, now: dict, strict: bool) -> Plan:
     if same_cut:
         return _settings_differ(result, differ, where, path, strict)
 
-    position = doc.get("loop") if isinstance(doc.get("loop"), dict) else {}
+    loop_doc = doc.get("loop")
+    position = loop_doc if isinstance(loop_doc, dict) else {}
     k = _int(position.get("step_in_epoch")) or 0
     epoch = _int(position.get("epoch")) or 0
     micro = _int(position.get("micro_step", position.get("global_step"))) or 0

@@ -45,7 +45,17 @@ def sort_key(path: Path):
     """The order of checkpoints: by step, an epoch-end one after the
     mid-epoch one of the same step (``path`` must match :data:`NAME_PATTERN`)."""
     match = NAME_PATTERN.match(path.name)
+    if match is None:
+        raise ValueError(f"{path}: not a checkpoint's name (step-<N>[-epoch-end][.<n>])")
     return (int(match.group(1)), bool(match.group(2)), int(match.group(3) or 0))
+
+
+def _run_number(name: str) -> int:
+    """N of a run folder's name ``version_<N>`` (callers pass only such names)."""
+    match = _RUN.match(name)
+    if match is None:
+        raise ValueError(f"{name!r} is not a run folder's name (version_<N>)")
+    return int(match.group(1))
 
 
 def next_generation(path: Path) -> Path:
@@ -154,7 +164,7 @@ def run_folders(base) -> list[Path]:
     if not base.is_dir():
         return []
     found = [p for p in base.iterdir() if _RUN.match(p.name) and p.is_dir()]
-    return sorted(found, key=lambda p: int(_RUN.match(p.name).group(1)))
+    return sorted(found, key=lambda p: _run_number(p.name))
 
 
 def is_run_dir(base, path) -> bool:
@@ -173,7 +183,7 @@ def next_run_name(base) -> str:
     """``version_<N>``: one more than the highest existing (0 for the first).
     Only a name: :func:`claim_run_folder` creates the folder atomically."""
     folders = run_folders(base)
-    n = int(_RUN.match(folders[-1].name).group(1)) + 1 if folders else 0
+    n = _run_number(folders[-1].name) + 1 if folders else 0
     return f"version_{n}"
 
 
@@ -188,7 +198,7 @@ def claim_run_folder(base, attempts: int = 1000) -> Path:
         base.mkdir(parents=True, exist_ok=True)
         for _ in range(attempts):
             # past the last name tried, if that one was taken (by a folder, or a file)
-            tried = max(int(_RUN.match(next_run_name(base)).group(1)), tried + 1)
+            tried = max(_run_number(next_run_name(base)), tried + 1)
             folder = base / f"version_{tried}"
             try:
                 os.mkdir(folder)

@@ -123,7 +123,7 @@ def read_manifest(path) -> dict:
             f"checkpoint {str(path)!r} has format version {doc.get('version')!r}; this "
             f"hookloop reads version {VERSION} and older: upgrade hookloop"
         )
-    required = ("loop", "networks", "accelerate", "plugins", "files", "num_processes")
+    required: tuple[str, ...] = ("loop", "networks", "accelerate", "plugins", "files", "num_processes")
     if doc["version"] >= 2:
         required += ("crc32", "run_id", SELF_CRC)
     for key in required:
@@ -219,12 +219,21 @@ def crc32_fd(fd: int, size: int) -> int:
     return value
 
 
-def verified(path: Path, rel: str, doc: dict, where: str, what: str) -> safe_read.Opened:
+def checksum_error(where: str, what: str, rel: str, now: int, crc: int) -> CheckpointError:
+    """The refusal of a file whose CRC-32 is ``now``, not ``crc``."""
+    return CheckpointError(f"{where}: cannot read {what} from {rel}: it does not match its checksum "
+                           f"(CRC-32 {now:08x}, {crc:08x} when written): the file changed after it "
+                           "was saved (bit rot, a bad copy, or an edit)")
+
+
+def verified(path: Path, rel: str, doc: dict, where: str, what: str, deferred=None) -> safe_read.Opened:
     """``path / rel`` opened (:func:`~.safe_read.open_checked`: a regular
     file inside the checkpoint, at most the size the manifest records) once
     its size and CRC-32 match the manifest ``doc``, or a
     :class:`CheckpointError` naming ``what`` it holds. Use it in a ``with``
-    block; read it through its ``source()`` or ``read()``."""
+    block; read it through its ``source()`` or ``read()``. ``deferred``:
+    ``deferred(opened, crc, rel, what)`` is given the CRC-32 to check instead
+    (the size is checked here): the caller verifies it while it reads."""
     problem = None
     size = doc["files"].get(rel)
     if size is None:
@@ -241,10 +250,12 @@ def verified(path: Path, rel: str, doc: dict, where: str, what: str) -> safe_rea
                 problem = f"it is {opened.size} bytes but {size} were written: truncated or corrupt"
             elif crc is None and doc["version"] >= 2:
                 problem = "the manifest has no checksum for it"
+            elif crc is not None and deferred is not None:
+                deferred(opened, crc, rel, what)
+                result, opened = opened, None
+                return result
             elif crc is not None and (now := crc32_fd(opened.fd, opened.size)) != crc:
-                problem = (f"it does not match its checksum (CRC-32 {now:08x}, {crc:08x} when "
-                           "written): the file changed after it was saved (bit rot, a bad copy, "
-                           "or an edit)")
+                raise checksum_error(where, what, rel, now, crc)
             else:
                 result, opened = opened, None
                 return result

@@ -96,7 +96,8 @@ def best_checkpoints(loop, root, key: str, mode: str, k: int | None = None,
         doc = manifest_or_warn(path)  # unreadable ones are skipped, with a warning
         if doc is None:
             continue
-        mon = doc.get("monitor") if isinstance(doc.get("monitor"), dict) else {}
+        monitor = doc.get("monitor")
+        mon = monitor if isinstance(monitor, dict) else {}
         value = mon.get("value")
         if (mon.get("key") == key and isinstance(value, (int, float)) and not isinstance(value, bool)
                 and math.isfinite(value) and (not mine or _owned(loop, root, doc))):

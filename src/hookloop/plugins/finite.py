@@ -57,7 +57,7 @@ class FiniteCheck:
     name = "finite"
     changes_training = True  # it stops training (or, with action="skip", drops updates)
 
-    def __init__(self, every=None, action="raise"):
+    def __init__(self, every: int | None = None, action: str = "raise") -> None:
         if action not in ("raise", "skip"):
             raise ValueError(f"FiniteCheck: action must be 'raise' or 'skip', got {action!r}")
         if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
@@ -69,6 +69,11 @@ class FiniteCheck:
         self._pending: list = []
         self._every = every or 1
         self._immediate = False  # read each loss at once (CPU), decided per fit
+        if action != "skip":
+            # nothing to do after a backward: then no implementation at all (pluggy
+            # passes over an attribute that is not a function), so the default
+            # per-step path leaves the call out
+            vars(self)["after_backward"] = None
 
     @staticmethod
     def _host_device(loop) -> bool:

@@ -1,6 +1,7 @@
 """A tqdm progress bar on the main process."""
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -27,12 +28,12 @@ class ProgressBar:
     name = "progress"
     changes_training = False
 
-    def __init__(self, every=10, disable=None, leave=True):
+    def __init__(self, every: int = 10, disable: bool | None = None, leave: bool = True) -> None:
         self.every = every
         self.disable = disable
         self.leave = leave
         self.bar = None
-        self._copies = []  # [(ready: event or None, {key: host tensor})], oldest first
+        self._copies: list[tuple[Any, dict[str, Any]]] = []  # [(ready: event or None, {key: host tensor})], oldest first
 
     @hookimpl
     def on_fit_start(self, loop):

@@ -58,7 +58,7 @@ class Strategy:
                     f"{n!r}: Network(model, optimizer)" for n in self.network_names) + "}, ...)"
             )
 
-    def default_plugins(self) -> list:
+    def default_plugins(self) -> list[Any]:
         """Plugins registered with the strategy, after it, each replaceable by
         a user plugin of the same name (a default loss, default metrics)."""
         return []
@@ -162,7 +162,9 @@ def loss_and_backward(loop, network, batch, outputs):
     loss = hook.compute_loss(loop=loop, network=network, batch=batch, outputs=outputs)
     if not isinstance(loss, torch.Tensor):
         check_loss(loss, network, loop, batch, outputs)
-    hook.before_backward(loop=loop, network=network, loss=loss)
+    quiet = hook.unimplemented(_BACKWARD_HOOKS)  # by default: calls of nothing, left out
+    if not quiet:
+        hook.before_backward(loop=loop, network=network, loss=loss)
     try:
         loop._fastpath.backward(loss)
     except RuntimeError as exc:
@@ -172,8 +174,16 @@ def loss_and_backward(loop, network, batch, outputs):
         raise _loss_error(ValueError, loop, network, batch, outputs,
                           f"compute_loss returned an unusable loss for network {network.name!r}",
                           problem) from exc
-    hook.after_backward(loop=loop, network=network)
+    if not quiet:
+        hook.after_backward(loop=loop, network=network)
     return loss
+
+
+#: the hooks around one network's update; without implementations (the
+#: defaults) their calls are left out, which nobody can tell
+_UPDATE_HOOKS = ("before_optimizer_step", "after_optimizer_step", "before_scheduler_step",
+                 "after_scheduler_step", "before_zero_grad", "after_zero_grad")
+_BACKWARD_HOOKS = ("before_backward", "after_backward")
 
 
 def update(loop, network):
@@ -189,13 +199,13 @@ def update(loop, network):
     optimizer, scheduler = network.optimizer, network.scheduler
     if scheduler is not None and (network.scheduler_interval != "step" or network.scheduler_frequency != 1):
         scheduler = _scheduled(loop, network, fast)  # None: not at this update
-    if not fast.sync_gradients():
+    hook = loop.hook
+    if not fast.sync_gradients() or hook.unimplemented(_UPDATE_HOOKS):
         fast.step(optimizer)
         if scheduler is not None:
             fast.scheduler_step(scheduler)
         fast.zero_grad(optimizer)
         return
-    hook = loop.hook
     hook.before_optimizer_step(loop=loop, network=network)
     fast.step(optimizer)
     hook.after_optimizer_step(loop=loop, network=network)
@@ -230,7 +240,7 @@ def step_epoch_schedulers(loop, networks, metrics) -> None:
                 or (epoch + 1) % network.scheduler_frequency):
             continue
         inner = getattr(scheduler, "scheduler", scheduler)  # AcceleratedScheduler's
-        args = ()
+        args: tuple[Any, ...] = ()
         if network.scheduler_monitor is not None:
             if network.scheduler_monitor not in metrics:
                 raise KeyError(

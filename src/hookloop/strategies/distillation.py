@@ -33,6 +33,7 @@ student replaces it (read ``loop.strategy.temperature`` / ``.alpha`` there).
 from __future__ import annotations
 
 import numbers
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +74,7 @@ class Distillation(Strategy):
         self.temperature = temperature
         self.alpha = alpha
 
-    def default_plugins(self):
+    def default_plugins(self) -> list[Any]:
         from ..plugins.metrics import DefaultMetrics
 
         return [DistillationLoss(), DefaultMetrics()]

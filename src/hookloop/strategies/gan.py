@@ -49,6 +49,7 @@ the ``"generator"`` entries are absent.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -122,7 +123,7 @@ class GAN(Strategy):
 
     # -- what the loop asks of a strategy ------------------------------------
 
-    def default_plugins(self):
+    def default_plugins(self) -> list[Any]:
         return [GANLoss()]
 
     def check_networks(self, networks):
@@ -302,7 +303,7 @@ def check_batched(data, what="train_data") -> None:
         fix = "DataLoader(TensorDataset(tensor), batch_size=..., shuffle=True)"
     elif isinstance(data, torch.utils.data.Dataset) and not isinstance(data, torch.utils.data.IterableDataset):
         try:
-            given = f"a {type(data).__name__} of {len(data)} examples"
+            given = f"a {type(data).__name__} of {len(data)} examples"  # type: ignore[arg-type]  # no __len__: the TypeError below
         except TypeError:
             given = f"a {type(data).__name__}"
         items = "examples"

@@ -1,5 +1,7 @@
 """The default strategy: one network named ``"model"``, supervised."""
 
+from typing import Any
+
 from ..batches import forward
 from ..markers import hookimpl
 from ..plugins.loss import DefaultLoss
@@ -21,7 +23,7 @@ class Supervised(Strategy):
     name = "supervised"
     network_names = ("model",)
 
-    def default_plugins(self):
+    def default_plugins(self) -> list[Any]:
         return [DefaultLoss(), DefaultMetrics()]
 
     def check_networks(self, networks):

@@ -4,7 +4,8 @@ number, the examples in a batch."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -35,6 +36,7 @@ def examples(batch) -> int:
     """Examples in a batch: the first dimension of its first tensor."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.ndim else 1
+    values: Iterable[Any]
     if isinstance(batch, Mapping):
         values = batch.values()
     elif isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
