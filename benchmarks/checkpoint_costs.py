@@ -148,7 +148,8 @@ def main(argv=None) -> int:
             shutil.rmtree(folder)
 
         host()  # (the first one allocates the host buffers the next ones reuse)
-        row("asynchronous save: its stall (host copy + finiteness)", median_ms(host, args.repeat))
+        row("asynchronous save: its stall (small files + host copy)", median_ms(host, args.repeat),
+            "finiteness: the writer's, on the copy")
 
         path = save()
         doc = checkpointing.read_manifest(path)
@@ -162,6 +163,15 @@ def main(argv=None) -> int:
             median_ms(lambda: checkpointing.load(loop, path), args.repeat))
         row("  Accelerate's load_state of the same checkpoint (no checks)",
             median_ms(lambda: loop.accelerator.load_state(str(path)), args.repeat))
+        # the load against load_state, interleaved (one of each in turn): the ratio per pair
+        pairs = []
+        for _ in range(args.repeat):
+            ours = median_ms(lambda: checkpointing.load(loop, path), 1)
+            theirs = median_ms(lambda: loop.accelerator.load_state(str(path)), 1)
+            pairs.append(ours / theirs)
+        print(f"{'  load / load_state, interleaved pairs':<62} {statistics.median(pairs):9.2f} x   "
+              f"(range {min(pairs):.2f}–{max(pairs):.2f} of {len(pairs)}; load average "
+              f"{os.getloadavg()[0]:.1f})", flush=True)
         row("run settings: record + compare",
             median_ms(lambda: checkpointing.run_settings(loop) == doc["settings"], args.repeat * 20))
     loop.close()

@@ -20,15 +20,19 @@ Method:
   is): a timestamp at every batch start, so a step's time includes its
   update's saving. 60 steps are measured (update 61 and the fit's end are
   not: the fit-end save of hookloop, and its wait for a background save).
-- **Stall per save**: the excess of all 60 steps over the process's own
-  median step, per save, minus the same excess of the run of the same loop
-  without saves in that repeat (its jitter): what saving costs training,
-  including the slow-down a background writer causes to the steps after a
-  save. (The difference of two processes' total times is not used: their
-  median steps differ by up to ±20 % on a shared machine, ten times a save.)
-  Also shown: the saving steps' own excess over the median step (what the
-  save blocks).
-- Medians over repeats, lowest–highest in brackets.
+- **The saving step's excess** over the process's median step: what a save
+  blocks training for (wall clock), and the same in CPU time of the
+  training thread (``time.thread_time``: what the save costs that thread
+  itself, steadier when other processes share the cores).
+- **All steps' excess per save**: the excess of all 60 steps over the
+  process's own median step, per save, minus the same excess of the run of
+  the same loop without saves in that repeat (its jitter): what saving
+  costs training, including the slow-down a background writer causes to the
+  steps after a save. (The difference of two processes' total times is not
+  used: their median steps differ by up to ±20 % on a shared machine, ten
+  times a save.)
+- Medians over repeats, lowest–highest in brackets; the load average
+  before and after is printed with the table.
 
 Lightning runs only if ``lightning`` imports (``--lightning-path DIR`` adds a
 folder it was installed into with ``pip install --no-deps --target DIR
@@ -39,8 +43,10 @@ The save/load rows (one process, the model after training): a synchronous
 ``checkpointing.save`` with every check (fsync included), Accelerate's
 ``save_state`` (no fsync) and the same plus an fsync of each file;
 ``checkpointing.load`` (every file's size and CRC-32, finiteness) against
-``accelerator.load_state``; the host copy an asynchronous save makes at
-the safe point.
+``accelerator.load_state``; what an asynchronous save does at the safe
+point (``host_copy.take``: Accelerate's small files and the host copy; its
+finiteness check runs in the writer). Interleaved repeats, each with its
+ratio to the Accelerate row it replaces.
 """
 
 from __future__ import annotations
@@ -88,7 +94,7 @@ def worker(variant: str, out: Path, threads: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    stamps = []
+    stamps, cpu = [], []
     kind, saves = variant.split("-", 1)
     if kind == "hand":
         from accelerate import Accelerator
@@ -98,6 +104,7 @@ def worker(variant: str, out: Path, threads: int) -> dict:
         model, optimizer, data = acc.prepare(model, optimizer, data)
         for step, (x, y) in enumerate(data, 1):
             stamps.append(time.perf_counter())
+            cpu.append(time.thread_time())
             loss = torch.nn.functional.mse_loss(model(x), y)
             acc.backward(loss)
             optimizer.step()
@@ -114,6 +121,7 @@ def worker(variant: str, out: Path, threads: int) -> dict:
             @hookimpl
             def before_step(self):
                 stamps.append(time.perf_counter())
+                cpu.append(time.thread_time())
 
             @hookimpl
             def compute_loss(self, outputs, batch):
@@ -146,6 +154,7 @@ def worker(variant: str, out: Path, threads: int) -> dict:
         class Stamps(Callback):
             def on_train_batch_start(self, *args):
                 stamps.append(time.perf_counter())
+                cpu.append(time.thread_time())
 
         callbacks = [Stamps()]
         if saves == "ckpt":
@@ -156,16 +165,21 @@ def worker(variant: str, out: Path, threads: int) -> dict:
                              enable_checkpointing=saves == "ckpt", callbacks=callbacks,
                              num_sanity_val_steps=0)
         trainer.fit(module, module.data)
-    steps = [b - a for a, b in zip(stamps, stamps[1:])][:MEASURED]
-    saving = [steps[i - 1] for i in range(EVERY, MEASURED + 1, EVERY)]
-    plain = [t for i, t in enumerate(steps, 1) if i % EVERY]
-    median = statistics.median(plain)
+    def excess(stamps):
+        steps = [b - a for a, b in zip(stamps, stamps[1:])][:MEASURED]
+        saving = [steps[i - 1] for i in range(EVERY, MEASURED + 1, EVERY)]
+        median = statistics.median(t for i, t in enumerate(steps, 1) if i % EVERY)
+        return steps, median, [(t - median) * 1e3 for t in saving]
+
+    steps, median, saving = excess(stamps)
+    _, cpu_median, cpu_saving = excess(cpu)
     return {"variant": variant, "total_s": sum(steps), "median_step_ms": median * 1e3,
-            "excess_ms": [(t - median) * 1e3 for t in saving], "saves": len(saving),
-            "all_excess_ms": (sum(steps) - len(steps) * median) * 1e3}
+            "excess_ms": saving, "saves": len(saving),
+            "all_excess_ms": (sum(steps) - len(steps) * median) * 1e3,
+            "cpu_excess_ms": cpu_saving}
 
 
-def save_load_rows(out: Path, threads: int, repeat: int = 3) -> list:
+def save_load_rows(out: Path, threads: int, repeat: int = 5) -> list:
     """One process: a save and a load of the trained model, each against Accelerate's."""
     import torch
     from accelerate import Accelerator
@@ -187,13 +201,10 @@ def save_load_rows(out: Path, threads: int, repeat: int = 3) -> list:
     acc = loop.accelerator
     counter = iter(range(10_000))
 
-    def timed(fn):
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times) * 1e3
+    def timed(fn):  # interleaved by the caller: one call of each, repeat times
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
 
     def hookloop_save():
         return checkpointing.save(loop, out / "hl", reason="bench", name=f"step-{next(counter):08d}",
@@ -212,19 +223,29 @@ def save_load_rows(out: Path, threads: int, repeat: int = 3) -> list:
         snap = host_copy.take(acc, folder, copy=copy)
         snap.release(acc)
 
-    rows = [("save: hookloop, every check, fsync (synchronous)", timed(hookloop_save)),
-            ("save: accelerator.save_state (no fsync)", timed(accelerate_save)),
-            ("save: accelerator.save_state + fsync of each file", timed(lambda: accelerate_save(True))),
-            ("stall of an asynchronous save: host copy + finiteness", timed(host))]
-    path = hookloop_save()
+    host()  # (the first copy allocates the host buffers the next ones reuse)
+    # (a root of its own: the saves timed below rotate theirs)
+    path = checkpointing.save(loop, out / "hl-load", reason="bench", name="step-00000000")
     plain = out / "acc" / "load"
     acc.save_state(str(plain))
-    rows += [("load: hookloop (sizes, CRC-32, finiteness, then commit)",
-              timed(lambda: checkpointing.load(loop, path))),
-             ("load: accelerator.load_state", timed(lambda: acc.load_state(str(plain))))]
+    # label, what it does, the Accelerate row it is compared with
+    ops = [("save: hookloop, every check, fsync (synchronous)", hookloop_save,
+            "save: accelerator.save_state (no fsync)"),
+           ("save: accelerator.save_state (no fsync)", accelerate_save, None),
+           ("save: accelerator.save_state + fsync of each file", lambda: accelerate_save(True), None),
+           ("stall of an asynchronous save: small files + host copy", host,
+            "save: accelerator.save_state (no fsync)"),
+           ("load: hookloop (sizes, CRC-32, finiteness, then commit)",
+            lambda: checkpointing.load(loop, path), "load: accelerator.load_state"),
+           ("load: accelerator.load_state", lambda: acc.load_state(str(plain)), None)]
+    times = {label: [] for label, *_ in ops}
+    for r in range(repeat):
+        for label, fn, _ in (ops if r % 2 == 0 else ops[::-1]):
+            times[label].append(timed(fn))
     size = sum(p.stat().st_size for p in path.iterdir())
     loop.close()
-    return [{"row": r, "ms": ms, "mb": size / 1e6} for r, ms in rows]
+    return [{"row": label, "ms": times[label], "versus": versus, "mb": size / 1e6}
+            for label, _, versus in ops]
 
 
 def run_worker(args, variant, out) -> dict:
@@ -273,6 +294,7 @@ def main(argv=None) -> int:
         print("Lightning is not importable: its rows are left out (see --lightning-path)")
         variants = [v for v in variants if not v.startswith("lightning")]
     results = {v: [] for v in variants}
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
         for r in range(args.repeats):
             order = variants if r % 2 == 0 else variants[::-1]
@@ -286,12 +308,21 @@ def main(argv=None) -> int:
             out = Path(scratch) / "save-load"
             out.mkdir()
             rows = run_worker(args, "save-load", out)
+    load_after = os.getloadavg()
     print(f"\nCheckpoint stall: {LAYERS} x Linear({WIDTH}, {WIDTH}) + Adam, {MEASURED} timed updates, "
-          f"a save every {EVERY}; {args.repeats} interleaved repeats, {args.threads} thread(s); "
-          "ms, median (lowest–highest)\n")
-    print("| variant | step without saves | stall per save (all steps' excess, per save) "
-          "| saving step's excess over the median step | excess × accelerator.save_state's |")
-    print("|---|---:|---:|---:|---:|")
+          f"a save every {EVERY}; {args.repeats} interleaved repeats (fresh processes), {args.threads} "
+          f"thread(s); load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
+          f"({os.cpu_count()} CPUs); ms, median over repeats (lowest–highest)\n")
+    print("- saving step's excess: the step that saves, over the process's median step (wall clock): "
+          "what the save blocks training for.")
+    print("- its training-thread CPU: the same excess in CPU time of the training thread (what the "
+          "save itself costs that thread; steadier than wall time on a shared machine).")
+    print("- all steps' excess per save: every step's excess over the median, per save, minus the "
+          "no-save run's: includes the slow-down a background writer causes to the steps after a "
+          "save (noisy: a repeat's jitter can exceed a save).\n")
+    print("| variant | step without saves | saving step's excess | × save_state's | its training-thread "
+          "CPU | all steps' excess per save |")
+    print("|---|---:|---:|---:|---:|---:|")
     stall = {}
     for v, base in BASELINE.items():
         if v not in results or base not in results:
@@ -301,18 +332,27 @@ def main(argv=None) -> int:
     for v in stall:
         steps = [b["median_step_ms"] for b in results[BASELINE[v]]]
         excess = [statistics.median(x["excess_ms"]) for x in results[v]]
+        cpu = [statistics.median(x["cpu_excess_ms"]) for x in results[v]]
         ratio = ""
-        if "hand-save_state" in stall:  # (per repeat; the excess: the steady figure)
+        if "hand-save_state" in stall:  # (per repeat: the saving steps' excess, the steady figure)
             hand = [statistics.median(x["excess_ms"]) for x in results["hand-save_state"]]
             ratios = [a / b for a, b in zip(excess, hand) if b > 0]
             ratio = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})" if ratios else ""
-        print(f"| {LABELS[v]} | {fmt(steps)} | {fmt(stall[v])} | {fmt(excess)} | {ratio} |")
+        print(f"| {LABELS[v]} | {fmt(steps)} | {fmt(excess)} | {ratio} | {fmt(cpu)} | {fmt(stall[v])} |")
     if rows:
-        print(f"\nOne save / one load of that model ({rows[0]['mb']:.0f} MB), median of 3, ms:\n")
-        print("| operation | ms |")
-        print("|---|---:|")
+        n = len(rows[0]["ms"])
+        print(f"\nOne save / one load of that model ({rows[0]['mb']:.0f} MB of files; in the page cache), "
+              f"one process, {n} interleaved repeats, ms, median (lowest–highest):\n")
+        print("| operation | ms | × Accelerate's |")
+        print("|---|---:|---:|")
+        by_label = {row["row"]: row["ms"] for row in rows}
         for row in rows:
-            print(f"| {row['row']} | {row['ms']:.0f} |")
+            versus = ""
+            if row["versus"] in by_label:
+                ratios = [a / b for a, b in zip(row["ms"], by_label[row["versus"]]) if b > 0]
+                versus = (f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}) of "
+                          f"{row['versus'].split(': ', 1)[1]}")
+            print(f"| {row['row']} | {fmt(row['ms'])} | {versus} |")
     return 0
 
 

@@ -17,6 +17,7 @@ from accelerate import Accelerator
 
 import runner
 from hookloop import hookimpl
+from hookloop import checkpointing
 from hookloop.checkpointing import CheckpointError, read_latest, writer
 from hookloop.checkpointing import saving
 from hookloop.plugins import Checkpoint
@@ -254,6 +255,50 @@ def test_a_failed_write_is_an_error_naming_the_checkpoint(tmp_path, monkeypatch)
     assert read_latest(tmp_path) == "step-00000002"
     assert not list(tmp_path.glob(".tmp-*"))  # the unfinished folder was removed
     assert checkpoint.last_saved == tmp_path / "step-00000002"
+
+
+class NaNGradAt:
+    """Makes one gradient NaN in update ``at``: the weights go NaN, the loss stays finite."""
+
+    name = "nan_grad"
+
+    def __init__(self, at):
+        self.at = at
+
+    @hookimpl
+    def after_backward(self, loop, network):
+        if loop.state.global_step + 1 == self.at:
+            with torch.no_grad():
+                next(network.model.parameters()).grad[0, 0] = float("nan")
+
+
+def test_a_non_finite_host_copy_is_refused_by_the_writer_before_any_file(tmp_path, monkeypatch):
+    """The finiteness of an asynchronous save is checked on its host copy, off the
+    training thread: update 6's NaN weights are never written; the refusal names the
+    tensor and the update they went bad at, and the last finite checkpoint stays."""
+    from hookloop.plugins import GradClip
+
+    written = []
+    write = writer.write_file
+
+    def recording(folder, rel, *args, **kwargs):
+        written.append((_name(folder), rel))
+        return write(folder, rel, *args, **kwargs)
+
+    monkeypatch.setattr(writer, "write_file", recording)
+    # (FiniteCheck blocked: update 7's NaN loss would stop the fit first, the refusal a warning)
+    loop, _ = make(tmp_path, NaNGradAt(6), GradClip(max_norm=1.0), block=["progress", "finite"])
+    with pytest.raises(checkpointing.NonFiniteCheckpoint) as info:
+        loop.fit(epochs=1)
+    message = str(info.value)
+    assert "refusing to save checkpoint step-00000006 after step 6: network 'model' " in message
+    assert "first went bad at update 6 (GradClip" in message
+    assert "still names step-00000004, the last finite checkpoint" in message
+    assert info.value.network == "model" and info.value.first_bad[0] == 6
+    assert [rel for name, rel in written if name == "step-00000006"] == []  # not one file
+    assert read_latest(tmp_path) == "step-00000004"
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("hookloop.lock")) == [
+        "latest", "step-00000002", "step-00000004"]
 
 
 def test_asynchronous_must_be_a_bool():

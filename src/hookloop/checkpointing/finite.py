@@ -107,7 +107,14 @@ def refuse_nonfinite(loop, root: Path, name: str, step: int):
         return None
     network, what, tensor = items[bad]
     flat = tensor.detach().reshape(-1)
-    value = flat[~flat.isfinite()][0].item()
+    return refusal(loop, root, name, step, network, what, flat[~flat.isfinite()][0].item())
+
+
+def refusal(loop, root: Path, name: str, step: int, network: str, what: str, value,
+            published: str = "Nothing was written and nothing rotated away") -> NonFiniteCheckpoint:
+    """The :class:`NonFiniteCheckpoint` refusing checkpoint ``name``: network
+    ``network``'s ``what`` holds ``value``; when it first went bad (from the
+    plugins' records) and the last finite checkpoint ``latest`` names."""
     latest = None
     with contextlib.suppress(CheckpointError):
         latest = read_latest(root)
@@ -122,7 +129,7 @@ def refuse_nonfinite(loop, root: Path, name: str, step: int):
             else "No finite checkpoint exists in that directory. ")
     return NonFiniteCheckpoint(
         f"refusing to save checkpoint {name} after step {step}: network {network!r} {what} is "
-        f"not finite ({value}). {when}Nothing was written and nothing rotated away; {kept}"
+        f"not finite ({value}). {when}{published}; {kept}"
         "Lower the learning rate, clip gradients or check the data, then resume with "
         "resume_from='latest'.",
         network=network, tensor=what, step=step, first_bad=first,

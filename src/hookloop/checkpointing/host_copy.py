@@ -18,10 +18,10 @@ The copy copies each tensor's whole storage once (views and shared storages
 stay views and shared, as ``torch.save`` records them), into host buffers
 kept from the previous save of the same sizes (no page faults, no pinned
 allocation after the first), pinned and non-blocking from a GPU. Its
-finiteness check is fused with it: on a CPU each few MiB of copied tensors
-are checked while they are in the cache; on a GPU the fused norms of the
-device tensors run on the same stream as the copies, and the one
-synchronisation the copy needs anyway reads their result.
+finiteness check is not on the training thread: it is a copy, so the
+background writer checks it (:meth:`Snapshot.find_nonfinite`, one fused
+reduction that releases the GIL) before it writes any file, and a
+non-finite copy is never written.
 """
 
 from __future__ import annotations
@@ -40,8 +40,6 @@ from . import finite
 #: Accelerate's distributed types whose ``save_state`` is the plain format
 PLAIN_TYPES = {"NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
                "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON"}
-#: bytes of tensors copied before their finiteness is checked (they are still in the cache)
-CHECK_EVERY = 1 << 20
 
 
 def supported(acc) -> bool:
@@ -54,20 +52,31 @@ def supported(acc) -> bool:
 class Snapshot:
     """What :func:`take` leaves to write: ``files`` as ``(rel, kind, payload,
     metadata)`` for :func:`~.writer.write_file` (on the main process);
-    ``nonfinite``: ``(rel, key)`` of the first tensor the fused check found
-    NaN or infinite, or None; ``copied``: bytes copied to host memory."""
+    ``copied``: bytes copied to host memory; ``floating``: ``(rel, key,
+    copy)`` of every floating tensor copied (for :meth:`find_nonfinite`)."""
 
     files: list = field(default_factory=list)
-    nonfinite: tuple | None = None
     copied: int = 0
     storages: list = field(default_factory=list)  # the host buffers, back to the pool after the write
+    floating: list = field(default_factory=list)
+
+    def find_nonfinite(self) -> tuple | None:
+        """``(rel, key, value)`` of the first copied tensor holding a NaN or an
+        infinity, or None: one fused reduction over the host copy
+        (:func:`~.finite.first_nonfinite`), off the training thread."""
+        bad = finite.first_nonfinite(t for *_, t in self.floating)
+        if bad is None:
+            return None
+        rel, key, t = self.floating[bad]
+        flat = t.detach().reshape(-1)
+        return rel, "".join(f"[{k!r}]" for k in key), flat[~flat.isfinite()][0].item()
 
     def release(self, acc) -> None:
         """The write is done: its host buffers serve the next copy."""
         pool = _POOLS.setdefault(acc, {})
         for storage in self.storages:
             pool.setdefault((storage.nbytes(), storage.is_pinned()), []).append(storage)
-        self.storages, self.files = [], []
+        self.storages, self.files, self.floating = [], [], []
 
 
 #: accelerator -> host buffers by (bytes, pinned), from its last save
@@ -78,8 +87,8 @@ def take(acc, folder: Path, *, copy: bool, check: bool = True) -> Snapshot:
     """Every process, at the safe point: write Accelerate's small files into
     ``folder`` and return the models' and optimizers' states to write (this
     process's share: the main process's, as Accelerate's ``save``), copied
-    to host memory if ``copy`` (finiteness checked with the copy if
-    ``check``). Calls the ``register_save_state_pre_hook`` hooks with the
+    to host memory if ``copy`` (its floating tensors listed for
+    :meth:`Snapshot.find_nonfinite` if ``check``). Calls the ``register_save_state_pre_hook`` hooks with the
     weights, and counts the save in ``project_configuration.iteration``, as
     ``save_state`` does."""
     from accelerate.checkpointing import save_accelerator_state, save_custom_state
@@ -114,18 +123,15 @@ def take(acc, folder: Path, *, copy: bool, check: bool = True) -> Snapshot:
 
 
 class _Copier:
-    """Copies tensors to host memory, each storage once, checking the
-    floating ones for NaN and infinity as it goes (``check``)."""
+    """Copies tensors to host memory, each storage once, listing the
+    floating copies (``check``) for :meth:`Snapshot.find_nonfinite`."""
 
     def __init__(self, pool: dict, check: bool):
         self.pool = pool
         self.checking = check
         self.storages = {}  # (device, data_ptr) -> host storage
         self.copied = 0
-        self.nonfinite = None  # (rel, key) of the first non-finite tensor found
-        self.on_device = False
-        self.batch = []  # (rel, key, tensor to check) not checked yet
-        self.batch_bytes = 0
+        self.floating = []  # (rel, key, host copy)
 
     def _host_storage(self, source, device):
         nbytes = source.nbytes()
@@ -137,7 +143,7 @@ class _Copier:
         self.copied += nbytes
         return host
 
-    def tensor(self, t: torch.Tensor, rel: str, key: str) -> torch.Tensor:
+    def tensor(self, t: torch.Tensor, rel: str, key: tuple) -> torch.Tensor:
         source = t.untyped_storage()
         where = (t.device, source.data_ptr())
         host = self.storages.get(where)
@@ -146,51 +152,37 @@ class _Copier:
         copied = torch.empty((0,), dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
         if t.requires_grad and t.is_leaf:
             copied.requires_grad_(True)
-        if self.checking and self.nonfinite is None and (t.is_floating_point() or t.is_complex()):
-            on_device = t.device.type != "cpu"
-            self.on_device = self.on_device or on_device
-            self.batch.append((rel, key, t if on_device else copied))
-            self.batch_bytes += t.numel() * t.element_size()
-            if not self.on_device and self.batch_bytes >= CHECK_EVERY:
-                self.check()  # while these copies are still in the cache
+        if self.checking and (t.is_floating_point() or t.is_complex()):
+            self.floating.append((rel, key, copied))
         return copied
 
-    def copy(self, obj, rel: str, key: str = ""):
+    def copy(self, obj, rel: str, key: tuple = ()):
         """``obj`` with every tensor copied and every container new (in its
-        own type and order, so that it pickles as ``obj`` does)."""
+        own type and order, so that it pickles as ``obj`` does); ``key``:
+        the path to ``obj`` (formatted only for an error)."""
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj, rel, key)
         if isinstance(obj, dict):
             new = obj.__class__() if type(obj) in (dict, OrderedDict) else _copy.copy(obj)
             for k, v in obj.items():
-                new[k] = self.copy(v, rel, f"{key}[{k!r}]")
+                new[k] = self.copy(v, rel, (*key, k))
             return new
         if isinstance(obj, list):
-            return [self.copy(v, rel, f"{key}[{i}]") for i, v in enumerate(obj)]
+            return [self.copy(v, rel, (*key, i)) for i, v in enumerate(obj)]
         if type(obj) is tuple:
-            return tuple(self.copy(v, rel, f"{key}[{i}]") for i, v in enumerate(obj))
+            return tuple(self.copy(v, rel, (*key, i)) for i, v in enumerate(obj))
         if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
             return obj
         return _copy.deepcopy(obj)  # anything else a state dict may hold: its own copy
 
-    def check(self) -> None:
-        """The batch's finiteness (on a GPU the device tensors, once, at the
-        end: one synchronisation, which the copies need anyway)."""
-        batch, self.batch, self.batch_bytes = self.batch, [], 0
-        if batch and self.nonfinite is None:
-            bad = finite.first_nonfinite(t for *_, t in batch)
-            if bad is not None:
-                self.nonfinite = batch[bad][:2]
-
 
 def _to_host(out: Snapshot, acc, check: bool) -> None:
-    """Replace every payload of ``out`` by its host copy (fused check)."""
+    """Replace every payload of ``out`` by its host copy."""
     copier = _Copier(_POOLS.setdefault(acc, {}), check)
     for entry in out.files:
         entry[2] = copier.copy(entry[2], entry[0])
-    copier.check()
     if any(device.type == "cuda" for device, _ in copier.storages):
         torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
-    out.nonfinite = copier.nonfinite
+    out.floating = copier.floating
     out.copied = copier.copied
     out.storages = list(copier.storages.values())

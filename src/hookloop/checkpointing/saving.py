@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 import weakref
@@ -123,9 +124,7 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
                 # as save_state does: a rank that does not see the main's folder writes into its
                 # own (check_rank_files then names the ranks whose files are not shared)
                 tmp.mkdir(parents=True, exist_ok=True)
-                snapshot = host_copy.take(acc, tmp, copy=background)
-                if snapshot.nonfinite is not None:
-                    raise _nonfinite(loop, root, name, position["global_step"], snapshot.nonfinite)
+                snapshot = host_copy.take(acc, tmp, copy=background)  # (its finiteness: the writer's)
                 if not background:
                     known = write_files(tmp, snapshot)  # (checksummed as they are written)
             else:
@@ -151,8 +150,13 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
             if on_published is not None:
                 on_published(final)
             return final
+        def refused(exc):  # (on the training thread: the refusal a synchronous save makes)
+            if not isinstance(exc, _NonFiniteCopy):
+                return exc
+            return _nonfinite(loop, root, name, position["global_step"], networks, exc.found)
+
         job = writer.Job(str(final), _in_background(publish_all, root, tmp, final, snapshot, acc)
-                         if main else (lambda: final), on_published)
+                         if main else (lambda: final), on_published, explain=refused)
         handed_over = True
         writer.start(loop, job)
         return _planned(root, final, update_latest)
@@ -169,12 +173,19 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
 
 
 def _in_background(publish_all, root: Path, tmp: Path, final: Path, snapshot, acc):
-    """The writer thread's work: the files, then :func:`_publish_all`; an
-    error removes the unfinished folder and names the checkpoint."""
+    """The writer thread's work: the finiteness of the host copy, the files,
+    then :func:`_publish_all`; an error removes the unfinished folder and
+    names the checkpoint."""
 
     def work():
         try:
+            found = snapshot.find_nonfinite()  # on the copy, before any file is written
+            if found is not None:
+                raise _NonFiniteCopy(found)
             return publish_all()
+        except _NonFiniteCopy:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             detail = str(exc) if isinstance(exc, CheckpointError) else write_error(exc, root, "writing it")
@@ -213,16 +224,31 @@ def _planned(root: Path, final: Path, update_latest: bool) -> Path:
     return final
 
 
-def _nonfinite(loop, root, name, step, found) -> NonFiniteCheckpoint:
-    """The refusal for a non-finite tensor found while copying (``found``:
-    ``(file, key)``), naming the network and tensor as a synchronous save does."""
-    refusal = finite.refuse_nonfinite(loop, root, name, step)
-    if refusal is not None:
-        return refusal
-    rel, key = found
-    return NonFiniteCheckpoint(
-        f"refusing to save checkpoint {name} after step {step}: {rel} {key} is not finite. Nothing "
-        "was published; 'latest' still names the last finite checkpoint", step=step)
+class _NonFiniteCopy(Exception):
+    """The writer found ``found`` (``(rel, key, value)``) not finite in the host copy."""
+
+    def __init__(self, found):
+        super().__init__(f"{found[0]} {found[1]} is not finite")
+        self.found = found
+
+
+def _nonfinite(loop, root, name, step, networks, found) -> NonFiniteCheckpoint:
+    """The refusal of an asynchronous save whose host copy holds a non-finite
+    tensor (``found``: ``(rel, key, value)``), naming the network and tensor
+    as a synchronous save does."""
+    rel, key, value = found
+    network = next((n for n, entry in networks.items() if rel in (entry.get("model"), entry.get("optimizer"))),
+                   "?")
+    parts = re.findall(r"\[([^\]]*)\]", key)
+    if rel.endswith(".safetensors") and len(parts) == 1:
+        what = f"tensor {parts[0]} of {rel}"
+    elif len(parts) == 3 and parts[0] == "'state'":
+        what = f"optimizer state {parts[2]} of parameter #{parts[1]} ({rel})"
+    else:
+        what = f"{rel} {key}"
+    return finite.refusal(loop, root, name, step, network, what, value,
+                          published="It was found in the host copy before any file was written: "
+                                    "nothing was published and nothing rotated away")
 
 
 class MissingRankFiles(CheckpointError):

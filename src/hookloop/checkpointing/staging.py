@@ -15,7 +15,8 @@ from .codec import check_rng, from_data, parse_rank_file
 from .errors import CheckpointError, first_line
 from .finite import check_staged_finite
 from .layout import RANK_FILE, STATE_FILE, TENSORS_FILE
-from .manifest import read_manifest, verified
+from . import manifest
+from .manifest import checksum_error, read_manifest, verified
 
 
 @dataclass
@@ -50,10 +51,13 @@ class Staged:
 def stage(path, doc: dict | None = None, process_index: int | None = None) -> Staged:
     """Read every file of checkpoint ``path`` that process ``process_index``
     needs into memory: each one's size and CRC-32 checked against the
-    manifest (the CRC through a memory map), then deserialised (safetensors,
-    or ``torch.load`` with ``weights_only=True``), its random states tried on
-    scratch generators and its weights and optimizer state checked to be
-    finite. Raises :class:`CheckpointError` naming the file. Changes nothing.
+    manifest, then deserialised (safetensors, or ``torch.load`` with
+    ``weights_only=True``), its random states tried on scratch generators and
+    its weights and optimizer state checked to be finite. Raises
+    :class:`CheckpointError` naming the file. Changes nothing. Each file is
+    read once from disk: the CRC-32 of the weights and optimizer states runs
+    in a thread over the pages the deserialisation reads, and their
+    finiteness there too, while the small files are read (:class:`_Checks`).
 
     The state of objects given to ``accelerator.register_for_checkpointing``
     (``custom_checkpoint_<i>.pkl``) is deserialised the safe way too; one
@@ -62,7 +66,12 @@ def stage(path, doc: dict | None = None, process_index: int | None = None) -> St
     path = Path(path)
     doc = read_manifest(path) if doc is None else doc
     try:
-        return _stage(path, doc, process_index)
+        with _Checks(f"checkpoint {str(path)!r}") as checks:
+            try:
+                return _stage(path, doc, process_index, checks)
+            except Exception:
+                checks.settle(finite=False)  # an earlier file that is not what was written: first
+                raise
     except CheckpointError:
         raise
     except (TypeError, KeyError, AttributeError, IndexError, RecursionError) as exc:
@@ -72,7 +81,60 @@ def stage(path, doc: dict | None = None, process_index: int | None = None) -> St
                               f"({type(exc).__name__}: {first_line(exc)})") from None
 
 
-def _stage(path: Path, doc: dict, process_index: int | None) -> Staged:
+class _Checks:
+    """The checks that read a whole file again, run in one thread while the
+    calling thread reads and deserialises (each releases the GIL): the CRC-32
+    of the large files, over a memory map of the very file being read (from
+    the page cache: no second read from disk), and the finiteness of the
+    staged weights and optimizer states. :meth:`settle` waits for them and
+    raises the first failure in reading order, checksums first, as checking
+    each before reading the next would; a file that fails to deserialise is
+    reported as a checksum mismatch when it is one."""
+
+    def __init__(self, where: str):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.where = where
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="hookloop-verify")
+        self.crcs = []  # (rel, what, expected, future)
+        self.finite = None
+
+    def crc(self, opened, expected: int, rel: str, what: str) -> None:
+        """:func:`~.manifest.verified`'s ``deferred``: checksum ``opened`` in the thread."""
+        import mmap
+
+        if opened.size == 0:
+            self.crcs.append((rel, what, expected, None))
+            return
+        mapped = mmap.mmap(opened.fd, opened.size, access=mmap.ACCESS_READ)  # outlives the descriptor
+
+        def checksum():
+            with mapped:
+                return manifest.crc32(mapped)  # one call: the GIL released for the whole file
+
+        self.crcs.append((rel, what, expected, self.pool.submit(checksum)))
+
+    def check_finite(self, *args) -> None:
+        self.finite = self.pool.submit(check_staged_finite, *args)
+
+    def settle(self, finite: bool = True) -> None:
+        """Raise the first failure of the checks so far (``finite``: and the finiteness's)."""
+        crcs, self.crcs = self.crcs, []
+        for rel, what, expected, future in crcs:
+            now = 0 if future is None else future.result()
+            if now != expected:
+                raise checksum_error(self.where, what, rel, now, expected)
+        if finite and self.finite is not None:
+            self.finite.result()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        self.pool.shutdown(wait=True)  # (every memory map closed)
+
+
+def _stage(path: Path, doc: dict, process_index: int | None, checks: _Checks) -> Staged:
     rank = accel.process_index() if process_index is None else process_index
     # a rank the checkpoint has no files of (it was written by fewer
     # processes: an elastic resume) reads rank 0's
@@ -89,7 +151,7 @@ def _stage(path: Path, doc: dict, process_index: int | None) -> Staged:
     # checkpoint, at most the size the manifest records), once its size and
     # checksum are verified; the loaders read that very file
     def load(loader, rel, what):
-        with verified(path, rel, doc, where, what) as opened:
+        with verified(path, rel, doc, where, what, deferred=checks.crc) as opened:
             return loader(opened.source(), rel, where, what)
 
     def read(rel, what):
@@ -118,6 +180,8 @@ def _stage(path: Path, doc: dict, process_index: int | None) -> Staged:
             raise CheckpointError(f"{where}: cannot read {what} from {rel}: it is not an optimizer "
                                   "state_dict (no 'state' and 'param_groups')")
         optimizers.append(state)
+    # (in the thread, while the small files below are read)
+    checks.check_finite(models, optimizers, doc, where)
     schedulers = []
     for i in range(counts["schedulers"] if plain else sharding["scheduler_files"]):
         rel = accel.scheduler_file(i)
@@ -167,6 +231,6 @@ def _stage(path: Path, doc: dict, process_index: int | None) -> Staged:
             raise CheckpointError(f"{where}: the state of plugin {name!r} refers to tensors that "
                                   f"{TENSORS_FILE} does not hold ({type(exc).__name__}: {exc})") from exc
 
-    check_staged_finite(models, optimizers, doc, where)
+    checks.settle()
     return Staged(path, doc, rank, models, optimizers, schedulers, rng, scaler, extra, custom,
                   epoch_start, generators, plugin_states, logged, source, sharded)

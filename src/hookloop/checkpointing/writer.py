@@ -116,17 +116,20 @@ def write_file(folder: Path, rel: str, kind: str, payload, metadata=None) -> tup
 
 class Job:
     """One save being written by a background thread (or, ``background``
-    False, run at once by :func:`start`).
+    False, run at once by :func:`start`). ``done(result)`` and
+    ``explain(error)`` (what to raise instead) run on the training thread,
+    when it is settled.
 
     :ivar name: the checkpoint's folder, as the error names it.
     :ivar result: what ``work()`` returned (the published checkpoint).
     :ivar error: the exception it raised, or None.
     """
 
-    def __init__(self, name: str, work, done=None):
+    def __init__(self, name: str, work, done=None, explain=None):
         self.name = name
         self._work = work
         self._done = done  # called on the training thread when the job is settled
+        self._explain = explain  # its error -> the error to raise, on the training thread
         self.result = None
         self.error: BaseException | None = None
         self.finished = threading.Event()
@@ -155,10 +158,25 @@ def start(loop, job: Job, background: bool = True) -> Job:
     if not background:
         job.run()
         return job
-    job.thread = threading.Thread(target=job.run, name=f"hookloop-save {Path(job.name).name}",
-                                  daemon=False)
+    job.thread = threading.Thread(target=_behind_training, args=(job,),
+                                  name=f"hookloop-save {Path(job.name).name}", daemon=False)
     job.thread.start()
     return job
+
+
+#: how much nicer than training the writer thread runs (Linux: per thread)
+WRITER_NICENESS = 10
+
+
+def _behind_training(job: Job) -> None:
+    """Run ``job`` with a lower CPU priority than the training thread: where
+    the cores are busy, the writer takes the time training leaves (where one
+    is free, it runs as fast). Only this thread's priority changes (Linux
+    gives each thread its own); elsewhere it runs as it is."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                       os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + WRITER_NICENESS)
+    job.run()
 
 
 def pending(loop) -> Job | None:
@@ -181,7 +199,7 @@ def settle(loop, block: bool = True):
         job.thread.join()
     del _JOBS[loop]
     if job.error is not None:
-        raise job.error
+        raise job._explain(job.error) if job._explain is not None else job.error
     if job._done is not None:
         job._done(job.result)
     return job
