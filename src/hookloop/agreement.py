@@ -18,9 +18,12 @@ request takes effect at once.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # names for the annotations only
+    from .state import LoopState
 
 
 class Agreement:
@@ -33,17 +36,17 @@ class Agreement:
         self.accelerator = accelerator
         #: several processes: requests wait for an agreement point
         self.several = accelerator.num_processes > 1
-        self._stop: tuple | None = None  # (reason,) asked here, not yet agreed
+        self._stop: tuple[str | None] | None = None  # (reason,) asked here, not yet agreed
         self._end_epoch = False
-        self._group = None
+        self._group: torch.distributed.ProcessGroup | bool | None = None
 
-    def stop(self, state, reason, every_rank: bool) -> None:
+    def stop(self, state: LoopState, reason: str | None, every_rank: bool) -> None:
         if every_rank or not self.several:
             state.stop(reason)
         else:
             self._stop = (reason,)
 
-    def end_epoch(self, state, every_rank: bool = False) -> None:
+    def end_epoch(self, state: LoopState, every_rank: bool = False) -> None:
         if every_rank or not self.several:
             state.end_epoch = True
         else:
@@ -52,7 +55,7 @@ class Agreement:
     def due(self, global_step: int) -> bool:
         return self.several and global_step % self.every == 0
 
-    def agree(self, state) -> None:
+    def agree(self, state: LoopState) -> None:
         """An agreement point (every process calls it here): a request made
         on any process takes effect on all. Nothing to do with one process."""
         if not self.several:

@@ -99,7 +99,7 @@ def accumulation_changed_in_group(before: int, new: int, in_group: int, update: 
 
 
 #: accelerators :func:`launch` has warned about (each warning once per accelerator)
-_WARNED: "weakref.WeakSet" = weakref.WeakSet()
+_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _env_flag(name: str) -> bool:
@@ -107,7 +107,7 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "false").lower() == "true"
 
 
-def launch(accelerator) -> None:
+def launch(accelerator: Any) -> None:
     """Launch mistakes, at ``Loop(...)`` before anything is prepared.
 
     Refused (``RuntimeError``): the launcher started several processes
@@ -122,7 +122,7 @@ def launch(accelerator) -> None:
     ``--use_deepspeed``) but not taken (Accelerate keeps the distributed
     type it had, e.g. ``MULTI_CPU`` DDP on a CPU); ``mixed_precision="fp16"``
     on a CPU, which trains in fp32."""
-    launched = {}
+    launched: dict[str, int] = {}
     for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         try:
             launched[name] = int(os.environ.get(name, "1"))
@@ -170,8 +170,9 @@ def launch(accelerator) -> None:
         )
 
 
-def _name(distributed_type) -> str:
-    return getattr(distributed_type, "value", str(distributed_type))
+def _name(distributed_type: Any) -> str:
+    name: str = getattr(distributed_type, "value", str(distributed_type))
+    return name
 
 
 def _runs(kind: str) -> str:

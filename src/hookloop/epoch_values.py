@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -16,13 +17,13 @@ class EpochValues:
     :meth:`reduce` (no device sync per logged value); a tensor of several
     values counts each of them (``mean`` over examples, ``max`` of all)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         #: key -> [reduction, total (float or 0-d float64 tensor), count]
-        self._values: dict[str, list] = {}
+        self._values: dict[str, list[Any]] = {}
         #: key -> the plugin that logs it (see :mod:`hookloop.logbook`)
         self.owners: dict[str, str] = {}
 
-    def add(self, values, reduce: str) -> None:
+    def add(self, values: Mapping[str, Any], reduce: str) -> None:
         if reduce not in REDUCTIONS:
             raise ValueError(f"loop.log: reduce must be one of {', '.join(REDUCTIONS)}, got {reduce!r}")
         for key, value in values.items():
@@ -64,11 +65,11 @@ class EpochValues:
         self._values = {}
         self.owners = {}
 
-    def forget(self, key) -> None:
+    def forget(self, key: str) -> None:
         """Drop what was added under ``key`` (its writer was replaced)."""
         self._values.pop(key, None)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, list[Any]]:
         """This process's running reductions: ``{key: [reduction, total,
         count]}``, each total a float or a 0-d float64 CPU tensor (as data a
         checkpoint stores; adding to it goes on exactly as before)."""
@@ -77,8 +78,8 @@ class EpochValues:
             for key, (reduce, total, count) in self._values.items()
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        values = {}
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        values: dict[str, list[Any]] = {}
         for key, entry in state.items():
             if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and entry[0] in REDUCTIONS
                     and isinstance(entry[2], int) and isinstance(entry[1], (int, float, torch.Tensor))):
@@ -86,7 +87,7 @@ class EpochValues:
             values[key] = list(entry)
         self._values = values
 
-    def reduce(self, accelerator, clear: bool = True) -> dict[str, float]:
+    def reduce(self, accelerator: Any, clear: bool = True) -> dict[str, float]:
         """Every key's value over the epoch and over all processes (a
         collective with several processes: every process calls it).
         ``clear``: start afresh (the epoch is over); else keep adding (an

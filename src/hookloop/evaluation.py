@@ -11,8 +11,8 @@ networks in eval mode and back. Random states are kept with
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate.data_loader import DataLoaderStateMixin
@@ -22,8 +22,13 @@ from . import rng
 from .batches import abandon
 from .logbook import Metrics
 
+if TYPE_CHECKING:  # names for the annotations only
+    from .logbook import Logbook
+    from .network import Network
+    from .protocols import LoopLike
+
 @contextlib.contextmanager
-def eval_mode(networks):
+def eval_mode(networks: Mapping[str, Network]) -> Iterator[None]:
     """Every network in eval mode; the modes they had put back after."""
     modes = [(n.model, n.model.training) for n in networks.values()]
     for model, _ in modes:
@@ -35,7 +40,7 @@ def eval_mode(networks):
             model.train(training)
 
 
-def outputs_of(loop, batch):
+def outputs_of(loop: LoopLike, batch: Any) -> Any:
     """``eval_step``'s result for one batch; an error naming the strategy if
     no plugin gave one."""
     outputs = loop.hook.eval_step(loop=loop, batch=batch)
@@ -48,7 +53,8 @@ def outputs_of(loop, batch):
     return outputs
 
 
-def run(loop, data, logbook, metrics: dict | None = None, limit: int | None = None) -> dict:
+def run(loop: LoopLike, data: Iterable[Any], logbook: Logbook, metrics: Mapping[str, float] | None = None,
+        limit: int | None = None) -> Metrics:
     """One evaluation of ``data``: ``on_eval_start``, per batch ``eval_step``
     and ``after_eval_step``, ``on_eval_end``, in eval mode without
     gradients. Returns the metrics (:class:`~hookloop.logbook.Metrics`):
@@ -92,7 +98,7 @@ def run(loop, data, logbook, metrics: dict | None = None, limit: int | None = No
     return metrics
 
 
-def sanity_check(loop, data, logbook) -> None:
+def sanity_check(loop: LoopLike, data: Iterable[Any], logbook: Logbook) -> None:
     """The sanity check: a whole evaluation (``on_eval_start``, one batch of
     ``data`` through ``eval_step`` and ``after_eval_step``, ``on_eval_end``)
     with ``loop.state.stage == "sanity"``, so that a wrong evaluation set, a
@@ -106,7 +112,7 @@ def sanity_check(loop, data, logbook) -> None:
 def predict(loop: Any, data: Any) -> Any:
     """The gathered ``eval_step`` outputs of every batch of ``data``, joined."""
     gather = loop.accelerator.gather_for_metrics
-    parts = []
+    parts: list[Any] = []
     with eval_mode(loop.networks), torch.no_grad():
         for batch in data:
             parts.append(gather(outputs_of(loop, batch)))
@@ -139,16 +145,16 @@ class Values:
     one ``replaces`` the other), each value checked to be one per example of
     the gathered batch."""
 
-    def __init__(self, loop):
+    def __init__(self, loop: LoopLike) -> None:
         self.loop = loop
-        self.sums: dict = {}
-        self.counts: dict = {}
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = {}
         #: name -> the plugin that returns it (None: not known, pluggy's caller ran)
-        self.owners: dict = {}
+        self.owners: dict[str, str | None] = {}
         self.batches = 0
         self._processes = loop.accelerator.num_processes
 
-    def add(self, results, batch) -> None:
+    def add(self, results: Iterable[tuple[str | None, object]], batch: Any) -> None:
         self.batches += 1
         examples = None
         for plugin, values in results:
@@ -164,7 +170,7 @@ class Values:
                 self.sums[key] = self.sums.get(key, 0.0) + value.sum()
                 self.counts[key] = self.counts.get(key, 0) + value.numel()
 
-    def _owned(self, key, plugin) -> bool:
+    def _owned(self, key: str, plugin: str | None) -> bool:
         """Whether ``plugin``'s value of ``key`` counts (another may own it)."""
         from .logbook import collision, replaces
 
@@ -183,7 +189,7 @@ class Values:
             return False
         raise collision("after_eval_step value", key, owner, plugin)
 
-    def means(self) -> dict:
+    def means(self) -> dict[str, float]:
         keys = list(self.sums)
         if not keys:
             return {}
@@ -191,7 +197,7 @@ class Values:
         return dict(zip(keys, means))
 
 
-def batch_examples(batch) -> int | None:
+def batch_examples(batch: Any) -> int | None:
     """The number of examples in one process's batch (the first dimension of
     its first tensor), or None if it has none."""
     if isinstance(batch, torch.Tensor):
@@ -203,7 +209,8 @@ def batch_examples(batch) -> int | None:
     return None
 
 
-def _check_count(loop, plugin, key, value, examples, processes) -> None:
+def _check_count(loop: LoopLike, plugin: str | None, key: str, value: torch.Tensor,
+                 examples: int | None, processes: int) -> None:
     """One value per example of the gathered batch: not a batch mean, not
     one process's values (the last batch may hold fewer: Accelerate drops
     the examples it repeated to even out the processes)."""
@@ -228,7 +235,7 @@ def _check_count(loop, plugin, key, value, examples, processes) -> None:
     raise ValueError(f"after_eval_step: {who} returned {key!r} as {problem}")
 
 
-def _bad_result(loop, plugin, values):
+def _bad_result(loop: Any, plugin: str | None, values: object) -> TypeError:
     impls = [i.plugin_name for i in reversed(loop.plugins.pm.hook.after_eval_step.get_hookimpls())]
     who = f"plugin {plugin!r}" if plugin else f"after_eval_step plugins: {', '.join(impls)}"
     return TypeError(
@@ -237,29 +244,30 @@ def _bad_result(loop, plugin, values):
     )
 
 
-def _short(value) -> str:
+def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) < 60 else text[:57] + "..."
 
 
-def concat(parts):
+def concat(parts: Sequence[Any]) -> Any:
     """Batches of gathered outputs joined into one: tensors on dim 0, the
     same structure around them."""
     if not parts:
         return None
     first = parts[0]
+    make: Any = type(first)  # the parts' own class, whatever its constructor takes
     if isinstance(first, torch.Tensor):
         return torch.cat([p.reshape(1) if p.ndim == 0 else p for p in parts])
     if isinstance(first, Mapping):
         joined = {key: concat([p[key] for p in parts]) for key in first}
         try:
-            return type(first)(**joined)  # a Hugging Face ModelOutput, a dict subclass
+            return make(**joined)  # a Hugging Face ModelOutput, a dict subclass
         except TypeError:
-            return type(first)(joined)
+            return make(joined)
     if isinstance(first, tuple) and hasattr(first, "_fields"):
-        return type(first)(*(concat([p[i] for p in parts]) for i in range(len(first))))
+        return make(*(concat([p[i] for p in parts]) for i in range(len(first))))
     if isinstance(first, Sequence) and not isinstance(first, (str, bytes)):
-        return type(first)(concat([p[i] for p in parts]) for i in range(len(first)))
+        return make(concat([p[i] for p in parts]) for i in range(len(first)))
     if first is None:
         return None
     return list(parts)

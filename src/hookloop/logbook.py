@@ -17,15 +17,19 @@ from __future__ import annotations
 
 import numbers
 import sys
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from .epoch_values import EpochValues
 from .trackers import TrackerSession
 
+if TYPE_CHECKING:  # names for the annotations only
+    from .state import LoopState
 
-def replaces(plugins, writer: str | None, owner: str | None) -> bool:
+
+def replaces(plugins: Any, writer: str | None, owner: str | None) -> bool:
     """Whether plugin ``writer`` declares that it replaces plugin ``owner``."""
     if writer is None or owner is None:
         return False
@@ -54,7 +58,7 @@ class Logbook:
         self.eval_values = EpochValues()
         #: while a batch is trained: the number of the update it belongs to
         self.step: int | None = None
-        self._step_owners: dict[str, str] = {}  # tracker key -> plugin, this fit
+        self._step_owners: dict[str, tuple[str, int]] = {}  # tracker key -> (plugin, step), this fit
 
     def start_fit(self) -> None:
         self._step_owners = {}
@@ -64,7 +68,8 @@ class Logbook:
         caller = sys._getframe(depth + 1).f_locals.get("self")
         return None if caller is None else self.plugins.name_of(caller)
 
-    def log(self, state, values, on_step, on_epoch, reduce, writer) -> None:
+    def log(self, state: LoopState, values: Mapping[str, Any], on_step: bool, on_epoch: bool,
+            reduce: str, writer: str | None) -> None:
         if on_epoch:
             stage = state.stage
             if stage == "eval":
@@ -83,7 +88,7 @@ class Logbook:
             acc.log({k: v.item() if isinstance(v, torch.Tensor) else v for k, v in values.items()},
                     step=step)
 
-    def _claim_step(self, values, writer, step):
+    def _claim_step(self, values: Mapping[str, Any], writer: str, step: int) -> Mapping[str, Any]:
         """Two plugins logging one key at one step: the trackers would keep one
         of the two values (at different steps they are one curve, as two
         loggers at different intervals)."""
@@ -102,13 +107,15 @@ class Logbook:
                 raise collision(f"loop.log key (at step {step})", key, owner, writer)
         return kept
 
-    def _add(self, target: EpochValues, values, reduce, writer) -> None:
+    def _add(self, target: EpochValues, values: Mapping[str, Any], reduce: str,
+             writer: str | None) -> None:
         if writer is not None:
             values = self._claim(target.owners, values, writer, "loop.log(on_epoch=True) key",
                                  target)
         target.add(values, reduce)
 
-    def _claim(self, owners, values, writer, what, target=None):
+    def _claim(self, owners: dict[str, str], values: Mapping[str, Any], writer: str, what: str,
+               target: EpochValues | None = None) -> Mapping[str, Any]:
         """``values`` less those another plugin owns and replaces this
         writer's; an error for a key another plugin owns otherwise."""
         kept = values
@@ -127,7 +134,7 @@ class Logbook:
         return kept
 
 
-class Metrics(dict):
+class Metrics(dict[str, float]):
     """The metrics of an evaluation or an epoch, as ``on_eval_end`` and
     ``on_epoch_end`` receive them: numbers (floats, ints) by name, so that
     what ``fit`` returns and what trackers get is plain data. Setting a
@@ -136,14 +143,15 @@ class Metrics(dict):
     wrote is an error naming both (unless one ``replaces`` the other), both
     raised where the plugin sets it."""
 
-    def __init__(self, items: Any = (), *, plugins: Any = None, owners: dict[str, str] | None = None) -> None:
+    def __init__(self, items: Any = (), *, plugins: Any = None,
+                 owners: Mapping[str, str | None] | None = None) -> None:
         super().__init__()
         self._plugins = plugins
         self._owners: dict[str, str | None] = {}
         for key, value in dict(items).items():
             self._put(key, value, (owners or {}).get(key))
 
-    def __setitem__(self, key, value):
+    def __setitem__(self, key: str, value: object) -> None:
         self._put(key, value, self._writer())
 
     def update(self, *args: Any, **kwargs: Any) -> None:
@@ -151,7 +159,7 @@ class Metrics(dict):
         for key, value in dict(*args, **kwargs).items():
             self._put(key, value, writer)
 
-    def setdefault(self, key, default=None):
+    def setdefault(self, key: str, default: object = None) -> float:
         if key not in self:
             self._put(key, default, self._writer())
         return self[key]
@@ -162,7 +170,7 @@ class Metrics(dict):
         caller = sys._getframe(2).f_locals.get("self")
         return None if caller is None else self._plugins.name_of(caller)
 
-    def _put(self, key, value, writer) -> None:
+    def _put(self, key: str, value: object, writer: str | None) -> None:
         if isinstance(value, torch.Tensor) and value.numel() == 1 and writer is None:
             value = value.item()  # the loop's own reductions
         if not isinstance(value, numbers.Real):
@@ -178,6 +186,7 @@ class Metrics(dict):
                 return  # the owner replaces this writer's value
             if not replaces(self._plugins, writer, owner):
                 raise collision("metrics key", key, owner, writer)
-        dict.__setitem__(self, key, value)
+        # a Real (int, float, a numpy number) stands for a float
+        dict.__setitem__(self, key, cast(float, value))
         if writer is not None or key not in self._owners:
             self._owners[key] = writer

@@ -223,7 +223,7 @@ _HUB = _Hub()
 _UNSET = object()
 
 
-def _cpu_group():
+def _cpu_group() -> torch.distributed.ProcessGroup | bool | None:
     """A process group that reduces CPU tensors: the default group if it is
     gloo, else a new gloo group (so that the stop flag never touches, or
     synchronises, a GPU). ``False`` when torch.distributed is not set up."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import random
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,15 +20,17 @@ import numpy as np
 import torch
 
 
-def capture_rng() -> dict:
+def capture_rng() -> dict[str, Any]:
     """The global python, numpy, torch (and initialised CUDA) RNG states."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                             "torch": torch.get_rng_state()}
+    # (torch leaves torch.cuda.is_initialized unannotated)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def restore_rng(state: dict) -> None:
+def restore_rng(state: Mapping[str, Any]) -> None:
     """Put back the global states :func:`capture_rng` returned."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
@@ -36,12 +39,12 @@ def restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def data_generators(data) -> dict:
+def data_generators(data: Any) -> dict[str, torch.Generator]:
     """The ``torch.Generator`` objects a dataloader draws its shuffle and
     worker seeds from, by attribute path (each object once)."""
-    found: dict = {}
+    found: dict[str, torch.Generator] = {}
 
-    def add(path, gen):
+    def add(path: str, gen: object) -> None:
         if isinstance(gen, torch.Generator) and all(gen is not g for g in found.values()):
             found[path] = gen
 
@@ -56,7 +59,7 @@ def data_generators(data) -> dict:
     return found
 
 
-def restore_generators(data, states: dict) -> None:
+def restore_generators(data: Any, states: Mapping[str, torch.Tensor]) -> None:
     """Put back generator states (``{path: state}``, as :func:`capture_epoch`
     takes them) into ``data``'s generators of the same paths."""
     current = data_generators(data)
@@ -66,7 +69,7 @@ def restore_generators(data, states: dict) -> None:
 
 
 @contextlib.contextmanager
-def keep_rng(*loaders):
+def keep_rng(*loaders: Any) -> Iterator[None]:
     """Run the body, then put the global python, numpy, torch (and CUDA)
     random states back as they were, and the generators of the data
     ``loaders`` given (None ones are skipped), however the body ends."""
@@ -81,7 +84,7 @@ def keep_rng(*loaders):
             restore_generators(data, states)
 
 
-def capture_epoch(data) -> dict:
+def capture_epoch(data: Any) -> dict[str, Any]:
     """What an epoch's iterator starts from: the global RNG and the data
     generators, taken just before the iterator is created."""
     return {
@@ -103,18 +106,19 @@ class Resume:
     draws its permutation from that generator state, whatever generator the
     loader's sampler has now (:func:`shuffling_from`)."""
 
-    epoch_start: dict | None
-    rng: dict
-    generators: dict | None = None
+    epoch_start: dict[str, Any] | None
+    rng: dict[str, Any]
+    generators: dict[str, torch.Tensor] | None = None
     path: Path | None = None
 
-    def restore_now(self, data) -> None:
+    def restore_now(self, data: Any) -> None:
         """Put the RNG where the run stopped (at an epoch boundary)."""
         restore_rng(self.rng)
         if self.generators:
             restore_generators(data, self.generators)
 
-    def batches(self, accelerator, data, skip: int | None, none_if_empty: bool = False):
+    def batches(self, accelerator: Any, data: Any, skip: int | None,
+                none_if_empty: bool = False) -> Iterable[Any] | None:
         """The rest of the interrupted epoch: the same batches in the same
         order, without loading the ``skip`` seen ones, and the RNG where
         the run stopped when the first of them comes out. ``none_if_empty``:
@@ -124,7 +128,7 @@ class Resume:
         it is only iterated, from the epoch's random states as the others
         (a stream without a state of its own is fast-forwarded by the
         loader, and must draw the same order)."""
-        batches = data if skip is None else _skip(accelerator, data, skip)
+        batches: Iterable[Any] = data if skip is None else _skip(accelerator, data, skip)
         if self.epoch_start is None:
             self.restore_now(data)
             if not none_if_empty:
@@ -134,15 +138,15 @@ class Resume:
         restore_rng(self.epoch_start["rng"])
         restore_generators(data, self.epoch_start["generators"])
         with shuffling_from(data, self.epoch_start.get("shuffle"), batches):
-            batches = first_or_none(batches, none_if_empty)
+            rest = first_or_none(batches, none_if_empty)
         restore_rng(self.rng)
-        return batches
+        return rest
 
 
 # -- which generator draws an epoch's order: the same order on another loader -------
 
 
-def innermost_sampler(data):
+def innermost_sampler(data: Any) -> Any:
     """The sampler under a (prepared) loader's batch samplers (Accelerate's
     ``BatchSamplerShard``, a ``BatchSampler``, a ``SkipBatchSampler``).
     Never truth-tests a sampler: a stream's has no length."""
@@ -156,7 +160,7 @@ def innermost_sampler(data):
     return None if obj is data else obj
 
 
-def _draws_its_own_shuffle(sampler) -> bool:
+def _draws_its_own_shuffle(sampler: Any) -> bool:
     """A sampler that shuffles with ``self.generator`` (``RandomSampler``),
     and not one that reseeds it every epoch (Accelerate's seedable sampler,
     whose order is a function of its seed and epoch, on any loader)."""
@@ -165,7 +169,7 @@ def _draws_its_own_shuffle(sampler) -> bool:
     return hasattr(sampler, "generator") and not isinstance(sampler, SeedableRandomSampler)
 
 
-def generator_roles(data) -> dict:
+def generator_roles(data: Any) -> dict[str, str | None]:
     """Which of ``data``'s generators (:func:`data_generators` paths) draws
     what, as a checkpoint records it (run settings ``sampler_generator``,
     ``loader_generator``): ``"sampler"``, the generator the epoch's
@@ -178,10 +182,11 @@ def generator_roles(data) -> dict:
         return {"sampler": None, "loader": None}
     found = data_generators(data)
 
-    def path_of(gen):
+    def path_of(gen: object) -> str | None:
         return next((p for p, g in found.items() if g is gen), None)
 
     sampler = innermost_sampler(data)
+    role: str | None
     if sampler is None or not _draws_its_own_shuffle(sampler):
         role = None
     else:
@@ -190,7 +195,8 @@ def generator_roles(data) -> dict:
     return {"sampler": role, "loader": "global" if own is None else path_of(own)}
 
 
-def shuffle_state(epoch_start: dict, roles: dict):
+def shuffle_state(epoch_start: Mapping[str, Any],
+                  roles: Mapping[str, str | None]) -> torch.Tensor | None:
     """The state of the generator an epoch's permutation was drawn with,
     just before it was drawn, from what the epoch's iterator started from
     (``epoch_start``) and the roles of the generators of the loader that
@@ -200,7 +206,8 @@ def shuffle_state(epoch_start: dict, roles: dict):
     from its generator, or, without one, seeds a new one from the global
     RNG."""
     if epoch_start.get("shuffle") is not None:
-        return epoch_start["shuffle"]
+        shuffle: torch.Tensor = epoch_start["shuffle"]
+        return shuffle
     sampler, loader = roles.get("sampler"), roles.get("loader")
     if sampler is None:
         return None
@@ -211,7 +218,7 @@ def shuffle_state(epoch_start: dict, roles: dict):
                 torch.empty((), dtype=torch.int64).random_()  # the iterator's base seed
             seed = int(torch.empty((), dtype=torch.int64).random_().item())
         return torch.Generator().manual_seed(seed).get_state()
-    state = epoch_start["generators"].get(sampler)
+    state: torch.Tensor | None = epoch_start["generators"].get(sampler)
     if state is None:
         return None
     if loader == sampler:  # the base seed came first, from the same generator
@@ -222,22 +229,25 @@ def shuffle_state(epoch_start: dict, roles: dict):
     return state
 
 
-def translate_generators(states: dict, roles: dict, data) -> dict:
+def translate_generators(states: Mapping[str, torch.Tensor], roles: Mapping[str, str | None],
+                         data: Any) -> dict[str, torch.Tensor]:
     """Generator states (``{path: state}``) saved from a loader whose
     generators had ``roles``, under the paths of ``data``'s generators of
     the same roles (the loader's own, the sampler's): another number of
     processes names them differently (Accelerate's ``synchronized_generator``
     is the sampler's). States without a counterpart are dropped."""
     now = generator_roles(data)
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for role in ("loader", "sampler"):
         saved, here = roles.get(role), now.get(role)
-        if saved not in (None, "global") and here not in (None, "global") and saved in states:
+        if (saved is not None and saved != "global" and here is not None and here != "global"
+                and saved in states):
             out[here] = states[saved]
     return out
 
 
-def translate_epoch(epoch_start: dict | None, roles: dict, data) -> dict | None:
+def translate_epoch(epoch_start: Mapping[str, Any] | None, roles: Mapping[str, str | None],
+                    data: Any) -> dict[str, Any] | None:
     """An epoch start saved from a loader whose generators had ``roles``
     (another number of processes, another batch size), for ``data``: the
     epoch's global RNG, the loader's own generator (under its path here),
@@ -246,7 +256,7 @@ def translate_epoch(epoch_start: dict | None, roles: dict, data) -> dict | None:
     for that one draw, so that ``data`` draws the same permutation."""
     if epoch_start is None:
         return None
-    out = {"rng": epoch_start["rng"], "generators": {}}
+    out: dict[str, Any] = {"rng": epoch_start["rng"], "generators": {}}
     loader = translate_generators(epoch_start["generators"], {"loader": roles.get("loader")}, data)
     sampler_here = generator_roles(data).get("sampler")
     out["generators"] = {p: s for p, s in loader.items() if p != sampler_here}
@@ -257,7 +267,7 @@ def translate_epoch(epoch_start: dict | None, roles: dict, data) -> dict | None:
 
 
 @contextlib.contextmanager
-def shuffling_from(data, state, iterated=None):
+def shuffling_from(data: Any, state: torch.Tensor | None, iterated: Any = None) -> Iterator[None]:
     """While the body draws the first batch of ``iterated`` (``data``, or a
     loader made from it that skips the first batches), ``data``'s sampler
     draws its permutation from a generator in ``state`` (a
@@ -272,7 +282,7 @@ def shuffling_from(data, state, iterated=None):
     generator in ``state`` for this epoch only; later epochs draw their
     seed from the global RNG, as it does."""
     sampler = innermost_sampler(data) if state is not None else None
-    if sampler is None or not _draws_its_own_shuffle(sampler):
+    if state is None or sampler is None or not _draws_its_own_shuffle(sampler):
         yield
         return
     own = sampler.generator
@@ -285,7 +295,7 @@ def shuffling_from(data, state, iterated=None):
         finally:
             sampler.generator = None
         return
-    loaders = {}
+    loaders: dict[int, Any] = {}
     for loader in (data, iterated):
         base = getattr(loader, "base_dataloader", loader)  # Accelerate's DataLoaderAdapter wraps one
         if loader is not None and getattr(base, "generator", None) is own:
@@ -325,7 +335,7 @@ def rest_of_epoch(accelerator: Any, state: Any, data: Any, resume: Resume | None
     return resume.batches(accelerator, data, skip, none_if_empty=state.epoch_ended)
 
 
-def first_or_none(batches, none_if_empty: bool = True):
+def first_or_none(batches: Iterable[Any], none_if_empty: bool = True) -> Iterator[Any] | None:
     """``batches`` with its first item drawn (to know whether there is one):
     None if empty and ``none_if_empty``."""
     it = iter(batches)
@@ -335,7 +345,7 @@ def first_or_none(batches, none_if_empty: bool = True):
     return itertools.chain([first], it)
 
 
-def _skip(accelerator, data, skip):
+def _skip(accelerator: Any, data: Any, skip: int) -> Iterable[Any]:
     """``accelerator.skip_first_batches``, which needs a batch sampler; a
     map-style loader without one (``batch_size=None``) has its first
     ``skip`` batches drawn and dropped instead."""
@@ -345,7 +355,8 @@ def _skip(accelerator, data, skip):
         getattr(data, "dataset", None), IterableDataset
     ):
         return itertools.islice(iter(data), skip, None)
-    return accelerator.skip_first_batches(data, skip)
+    skipped: Iterable[Any] = accelerator.skip_first_batches(data, skip)
+    return skipped
 
 
 __all__ = ["Resume", "capture_epoch", "capture_rng", "data_generators", "generator_roles",

@@ -20,8 +20,12 @@ import re
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ._version import __version__
+
+if TYPE_CHECKING:  # names for the annotations only
+    import argparse
 
 #: lower-case words joined by single hyphens: a valid entry-point, distribution
 #: and (with underscores) module name
@@ -31,7 +35,7 @@ NAME_PATTERN = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 RESERVED = {"supervised", "gan", "recorder"}
 
 
-def names(name: str) -> dict:
+def names(name: str) -> dict[str, str]:
     """The distribution, module, class and entry-point names for ``name``,
     or ``ValueError`` saying what a valid name is."""
     if not NAME_PATTERN.match(name or ""):
@@ -199,7 +203,7 @@ lists it. Tests: `pytest {distribution}/tests` (after installing).
 '''
 
 
-def write(name: str, directory=".") -> Path:
+def write(name: str, directory: str | os.PathLike[str] = ".") -> Path:
     """Write the distribution for ``name`` under ``directory``; return its
     folder. Refuses to overwrite an existing folder."""
     n = names(name)
@@ -219,7 +223,7 @@ def write(name: str, directory=".") -> Path:
     return root
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``new-plugin`` to the ``hookloop`` command's subcommands."""
     p = sub.add_parser("new-plugin", help="write a ready plugin distribution")
     p.add_argument("name", help="the plugin's name, e.g. demo-thing (lower case, hyphens)")
@@ -227,7 +231,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=_cmd_new_plugin)
 
 
-def _cmd_new_plugin(args) -> int:
+def _cmd_new_plugin(args: argparse.Namespace) -> int:
     try:
         root = write(args.name, args.dir)
     except ValueError as exc:
@@ -242,7 +246,7 @@ def _cmd_new_plugin(args) -> int:
     return 0
 
 
-def local_path(path) -> str:
+def local_path(path: str | os.PathLike[str]) -> str:
     """``path`` as pip reads it as a directory, not a name to look up on the
     package index: ``hookloop-x`` becomes ``./hookloop-x``; quoted for a shell."""
     text = str(path)

@@ -32,11 +32,21 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import namedtuple
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 
 from .markers import hookimpl
 from .validation import _spec_args, hook_names
+
+if TYPE_CHECKING:  # names for the annotations only
+    import torch
+
+    from .loop import Loop
+    from .protocols import LoopLike
+
+_Plugin = TypeVar("_Plugin")
 
 Call = namedtuple("Call", "hook kwargs")
 
@@ -44,12 +54,12 @@ Call = namedtuple("Call", "hook kwargs")
 class _RecorderBase:
     name = "recorder"
 
-    def __init__(self, hooks=None):
+    def __init__(self, hooks: Iterable[str] | None = None) -> None:
         #: every call seen, in order: ``Call(hook, kwargs)``
         self.calls: list[Call] = []
         self._only = set(hooks) if hooks is not None else None
 
-    def _record(self, hook, kwargs):
+    def _record(self, hook: str, kwargs: dict[str, Any]) -> None:
         if self._only is None or hook in self._only:
             self.calls.append(Call(hook, kwargs))
 
@@ -57,7 +67,7 @@ class _RecorderBase:
         """The hook names called, in order."""
         return [c.hook for c in self.calls]
 
-    def calls_of(self, hook: str) -> list[dict]:
+    def calls_of(self, hook: str) -> list[dict[str, Any]]:
         """The keyword arguments of every call of one hook."""
         return [c.kwargs for c in self.calls if c.hook == hook]
 
@@ -65,25 +75,26 @@ class _RecorderBase:
         """How many times one hook was called."""
         return sum(1 for c in self.calls if c.hook == hook)
 
-    def clear(self):
+    def clear(self) -> None:
         self.calls.clear()
 
 
-def _recording_method(hook):
+def _recording_method(hook: str) -> Callable[..., None]:
     args = _spec_args(hook)
     src = (
         f"def {hook}(self, {', '.join(args)}):\n"
         f"    self._record({hook!r}, {{{', '.join(f'{a!r}: {a}' for a in args)}}})\n"
     )
-    namespace: dict = {}
+    namespace: dict[str, Any] = {}
     exec(src, namespace)  # noqa: S102 - builds a method with the hook's exact signature
-    return hookimpl(tryfirst=True)(namespace[hook])
+    method: Callable[..., None] = namespace[hook]
+    return hookimpl(tryfirst=True)(method)
 
 
 #: A plugin that implements every hook (``tryfirst``, returning ``None``) and
 #: records each call with its arguments. ``HookRecorder(hooks=[...])`` records
 #: only those hooks (all are still implemented, so all are still called).
-HookRecorder = type(
+HookRecorder: type[_RecorderBase] = type(
     "HookRecorder",
     (_RecorderBase,),
     {hook: _recording_method(hook) for hook in hook_names()},
@@ -91,7 +102,7 @@ HookRecorder = type(
 
 
 @contextlib.contextmanager
-def registered(loop, plugin, name=None):
+def registered(loop: Loop, plugin: _Plugin, name: str | None = None) -> Iterator[_Plugin]:
     """Register ``plugin`` on ``loop`` for the ``with`` block only."""
     from .manager import plugin_name
 
@@ -103,7 +114,7 @@ def registered(loop, plugin, name=None):
         loop.plugins.unregister(name)
 
 
-def reset_accelerate():
+def reset_accelerate() -> None:
     """Forget Accelerate's process-wide state (a test helper, not for training)."""
     from accelerate.state import AcceleratorState, GradientState
 
@@ -111,8 +122,9 @@ def reset_accelerate():
     GradientState._reset_state()
 
 
-def tiny_loop(plugins=(), *, n=64, batch_size=8, features=8, classes=3, seed=0,
-              accelerator=None, scheduler=True, eval_data=False, **loop_kwargs):
+def tiny_loop(plugins: Iterable[Any] = (), *, n: int = 64, batch_size: int = 8, features: int = 8,
+              classes: int = 3, seed: int = 0, accelerator: Any = None, scheduler: bool = True,
+              eval_data: bool = False, **loop_kwargs: Any) -> Loop:
     """A seeded supervised :class:`~hookloop.Loop`: a small MLP with dropout on
     ``n`` random ``(inputs, targets)`` examples, Adam, and (by default) a linear
     warm-up schedule sized for 2 epochs. The progress bar is blocked."""
@@ -144,8 +156,10 @@ def tiny_loop(plugins=(), *, n=64, batch_size=8, features=8, classes=3, seed=0,
                 eval_data=evald, plugins=list(plugins), accelerator=accelerator, **loop_kwargs)
 
 
-def tiny_gan_loop(plugins=(), *, n=64, batch_size=16, features=2, latent_dim=4, hidden=16,
-                  seed=0, n_critic=1, lr=1e-3, accelerator=None, **loop_kwargs):
+def tiny_gan_loop(plugins: Iterable[Any] = (), *, n: int = 64, batch_size: int = 16,
+                  features: int = 2, latent_dim: int = 4, hidden: int = 16, seed: int = 0,
+                  n_critic: int = 1, lr: float = 1e-3, accelerator: Any = None,
+                  **loop_kwargs: Any) -> Loop:
     """A seeded :class:`hookloop.strategies.GAN` loop on synthetic data: ``n``
     points of a mixture of 4 Gaussians in ``features`` dimensions, a generator
     MLP ``latent_dim -> features`` and a discriminator MLP ``features -> 1``
@@ -164,7 +178,7 @@ def tiny_gan_loop(plugins=(), *, n=64, batch_size=16, features=2, latent_dim=4, 
     centers = torch.randn(4, features) * 2
     data = centers[torch.randint(0, 4, (n,))] + 0.1 * torch.randn(n, features)
 
-    def mlp(i, o):
+    def mlp(i: int, o: int) -> torch.nn.Sequential:
         return torch.nn.Sequential(torch.nn.Linear(i, hidden), torch.nn.LeakyReLU(0.2),
                                    torch.nn.Linear(hidden, o))
 
@@ -179,7 +193,7 @@ def tiny_gan_loop(plugins=(), *, n=64, batch_size=16, features=2, latent_dim=4, 
                 train_data=train, plugins=list(plugins), accelerator=accelerator, **loop_kwargs)
 
 
-def parameters(loop, network="model") -> list:
+def parameters(loop: LoopLike, network: str = "model") -> list[torch.Tensor]:
     """A detached copy of one network's parameters, in ``named_parameters``
     order: compare two runs with ``all(torch.equal(a, b) for a, b in zip(...))``."""
     return [p.detach().clone() for p in loop.networks[network].unwrapped.parameters()]
@@ -190,7 +204,7 @@ _PLUGIN_ENV = ("HOOKLOOP_DISABLE_PLUGIN_AUTOLOAD", "HOOKLOOP_LOAD_PLUGINS", "HOO
 
 
 @contextlib.contextmanager
-def no_installed_plugins():
+def no_installed_plugins() -> Iterator[None]:
     """Within the block, installed plugins do not autoload and nothing is
     blocked by the environment; plugins named in ``plugins=[...]`` still
     load. The environment is restored afterwards."""
@@ -212,31 +226,31 @@ def no_installed_plugins():
 
 
 @pytest.fixture
-def fresh_accelerator():
+def fresh_accelerator() -> Iterator[None]:
     reset_accelerate()
     yield
     reset_accelerate()
 
 
 @pytest.fixture
-def hookloop_recorder():
+def hookloop_recorder() -> _RecorderBase:
     return HookRecorder()
 
 
 @pytest.fixture
-def isolated_plugins():
+def isolated_plugins() -> Iterator[None]:
     """No installed plugin autoloads during the test (see :func:`no_installed_plugins`)."""
     with no_installed_plugins():
         yield
 
 
 @pytest.fixture(name="tiny_loop")
-def tiny_loop_fixture(fresh_accelerator, isolated_plugins):
+def tiny_loop_fixture(fresh_accelerator: None, isolated_plugins: None) -> Callable[..., Loop]:
     """:func:`tiny_loop`, with fresh Accelerate state and no autoloaded plugins."""
     return tiny_loop
 
 
 @pytest.fixture(name="tiny_gan_loop")
-def tiny_gan_loop_fixture(fresh_accelerator, isolated_plugins):
+def tiny_gan_loop_fixture(fresh_accelerator: None, isolated_plugins: None) -> Callable[..., Loop]:
     """:func:`tiny_gan_loop`, with fresh Accelerate state and no autoloaded plugins."""
     return tiny_gan_loop

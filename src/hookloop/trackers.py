@@ -32,7 +32,8 @@ from accelerate.tracking import GeneralTracker, on_main_process
 FLAT_CONFIG_TRACKERS = frozenset({"mlflow", "tensorboard"})
 
 
-class JSONLinesTracker(GeneralTracker):
+# accelerate ships no type information: GeneralTracker and on_main_process are Any
+class JSONLinesTracker(GeneralTracker):  # type: ignore[misc]
     """``Accelerator(log_with=[JSONLinesTracker("run", "logs")])`` appends one
     JSON object per ``accelerator.log`` call to ``logs/run.jsonl``:
     ``{"step": 50, "loss": 0.69, ...}``; the run configuration goes on a
@@ -54,11 +55,11 @@ class JSONLinesTracker(GeneralTracker):
     def tracker(self) -> str:
         return self.path
 
-    @on_main_process
+    @on_main_process  # type: ignore[untyped-decorator]  # accelerate's: no type information
     def store_init_configuration(self, values: dict[str, Any]) -> None:
         self._write({"config": values})
 
-    @on_main_process
+    @on_main_process  # type: ignore[untyped-decorator]  # accelerate's: no type information
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
         self._write({"step": step, **values})
 

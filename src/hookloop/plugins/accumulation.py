@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..markers import hookimpl
+
+if TYPE_CHECKING:  # names for the annotations only
+    from ..protocols import LoopLike
 
 
 class GradientAccumulationScheduler:
@@ -32,7 +37,7 @@ class GradientAccumulationScheduler:
     name = "accumulation-scheduler"
     changes_training = True
 
-    def __init__(self, scheduling: dict[int, int]):
+    def __init__(self, scheduling: dict[int, int]) -> None:
         if not isinstance(scheduling, dict) or not scheduling:
             raise ValueError("GradientAccumulationScheduler: scheduling must be a non-empty dict "
                              f"{{epoch: batches per update}}, got {scheduling!r}")
@@ -55,7 +60,7 @@ class GradientAccumulationScheduler:
         return k
 
     @hookimpl(tryfirst=True)  # before plugins that read the accumulation at fit start
-    def on_fit_start(self, loop):
+    def on_fit_start(self, loop: LoopLike) -> None:
         acc = loop.accelerator
         current = acc.gradient_accumulation_steps
         if current not in (1, self._set, self.get_accumulate_grad_batches(loop.state.epoch)):
@@ -67,10 +72,10 @@ class GradientAccumulationScheduler:
         self._apply(loop, loop.state.epoch)
 
     @hookimpl(tryfirst=True)
-    def on_epoch_start(self, loop, epoch):
+    def on_epoch_start(self, loop: LoopLike, epoch: int) -> None:
         self._apply(loop, epoch)
 
-    def _apply(self, loop, epoch):
+    def _apply(self, loop: LoopLike, epoch: int) -> None:
         k = self.get_accumulate_grad_batches(epoch)
         loop.accelerator.gradient_accumulation_steps = k
         self._set = k

@@ -1,6 +1,15 @@
 """Gradient clipping, per network, on synchronised steps only."""
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
 from ..markers import hookimpl
+
+if TYPE_CHECKING:  # names for the annotations only
+    from ..network import Network
+    from ..protocols import LoopLike
 
 
 class GradClip:
@@ -33,11 +42,12 @@ class GradClip:
     #: non-finite updates remembered
     remember = 16
 
-    def __init__(self, max_norm=None, max_value=None, norm_type=2.0, networks=None):
+    def __init__(self, max_norm: float | None = None, max_value: float | None = None,
+                 norm_type: float = 2.0, networks: Iterable[str] | None = None) -> None:
         if (max_norm is None) == (max_value is None):
             raise ValueError("GradClip takes exactly one of max_norm=... or max_value=...")
         limit = max_norm if max_norm is not None else max_value
-        if not limit > 0:
+        if limit is None or not limit > 0:  # (never None: one of the two is given)
             raise ValueError(f"GradClip: the limit must be positive, got {limit!r}")
         self.max_norm = max_norm
         self.max_value = max_value
@@ -46,10 +56,10 @@ class GradClip:
         #: ``(update, network, norm)`` of the first updates whose gradient norm
         #: was not finite (at most ``remember``), once checked
         self.nonfinite: list[tuple[int, str, float]] = []
-        self._norms: list = []  # (update, network, 0-d norm tensor), not checked yet
+        self._norms: list[tuple[int, str, Any]] = []  # (update, network, 0-d norm tensor), not checked yet
 
     @hookimpl
-    def after_backward(self, loop, network):
+    def after_backward(self, loop: LoopLike, network: Network) -> None:
         if self.networks is not None and network.name not in self.networks:
             return
         accelerator = loop.accelerator
@@ -66,7 +76,7 @@ class GradClip:
         else:
             accelerator.clip_grad_value_(network.model.parameters(), self.max_value)
 
-    def first_nonfinite_update(self, after: int = 0):
+    def first_nonfinite_update(self, after: int = 0) -> tuple[int, str, str] | None:
         """``(update, network, what)`` of the first update after ``after``
         whose gradient norm was NaN or infinite, or None (checks the kept
         norms: one device sync)."""
@@ -83,10 +93,10 @@ class GradClip:
         norms = [(u, n, t) for u, n, t in pending if isinstance(t, torch.Tensor)]
         if not norms:
             return
-        by_device: dict = {}
+        by_device: dict[torch.device, list[int]] = {}
         for i, (*_, t) in enumerate(norms):
             by_device.setdefault(t.device, []).append(i)
-        bad = []
+        bad: list[int] = []
         for index in by_device.values():
             ok = torch.stack([norms[i][2].detach().reshape(()).float() for i in index]).isfinite()
             if not bool(ok.all()):  # one sync per device

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import PluginValidationError
 from ..manager import _spec_args, hook_names
@@ -84,14 +86,15 @@ class LambdaCallback:
 
     name = "lambda"
 
-    def __init__(self, *, name: str | None = None, changes_training: bool | None = None, **hooks):
+    def __init__(self, *, name: str | None = None, changes_training: bool | None = None,
+                 **hooks: Callable[..., Any]) -> None:
         if name is not None:
             self.name = name
         if changes_training is not None:
             self.changes_training = changes_training
         label = name or "LambdaCallback"
         valid = hook_names()
-        grouped: dict[str, list] = {}
+        grouped: dict[str, list[tuple[str, Callable[..., Any]]]] = {}
         for key, function in hooks.items():
             hook = key if key in valid else LIGHTNING_HOOKS.get(key)
             if hook is None:
@@ -114,22 +117,23 @@ class LambdaCallback:
                                                   "the loop uses: give one function")
             setattr(self, hook, _implementation(label, hook, functions))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         hooks = [h for h in hook_names() if h in vars(self)]
         return f"LambdaCallback({', '.join(hooks)})"
 
 
-def _implementation(label, hook, functions):
+def _implementation(label: str, hook: str,
+                    functions: list[tuple[str, Callable[..., Any]]]) -> Callable[..., Any]:
     """A ``@hookimpl`` function for ``hook`` asking for the arguments the
     functions name, and calling each with its own."""
     spec = _spec_args(hook)
-    calls = []
+    calls: list[tuple[Callable[..., Any], list[str]]] = []
     for key, function in functions:
         try:
             params = inspect.signature(function).parameters.values()
         except (TypeError, ValueError):
             raise PluginValidationError(function, f"{label}: cannot read the arguments of {key}=") from None
-        names = []
+        names: list[str] = []
         for p in params:
             if p.kind is p.VAR_KEYWORD:
                 names = list(spec)
@@ -147,10 +151,11 @@ def _implementation(label, hook, functions):
             names.append(p.name)
         calls.append((function, names))
     wanted = [a for a in spec if any(a in names for _, names in calls)]
-    namespace = {"calls": calls}
+    namespace: dict[str, Any] = {"calls": calls}
     lines = [f"def {hook}({', '.join(wanted)}):"]
     for i, (_, names) in enumerate(calls):
         lines.append(f"    result = calls[{i}][0]({', '.join(f'{a}={a}' for a in names)})")
     lines.append("    return result")
     exec(compile("\n".join(lines), f"<LambdaCallback {hook}>", "exec"), namespace)  # noqa: S102
-    return hookimpl(namespace[hook])
+    implementation: Callable[..., Any] = namespace[hook]
+    return hookimpl(implementation)

@@ -1,8 +1,16 @@
 """Loss, learning rates and gradient norms to Accelerate's trackers and the console."""
 
-from collections.abc import Mapping
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ..markers import hookimpl
+
+if TYPE_CHECKING:  # names for the annotations only
+    from torch import Tensor
+
+    from ..protocols import LoopLike
 
 
 class Logger:
@@ -31,7 +39,8 @@ class Logger:
     name = "logger"
     changes_training = False
 
-    def __init__(self, every=50, console=True, project_name="hookloop", config=None):
+    def __init__(self, every: int = 50, console: bool = True, project_name: str = "hookloop",
+                 config: dict[str, Any] | None = None) -> None:
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"Logger: every must be a positive int, got {every!r}")
         self.every = every
@@ -41,19 +50,20 @@ class Logger:
         self._prefix = ""
 
     @hookimpl(tryfirst=True)  # before any plugin logs: the trackers get this project name
-    def on_fit_start(self, loop):
+    def on_fit_start(self, loop: LoopLike) -> None:
         loop.start_trackers(self.project_name, config=self.config)
         name = loop.plugins.name_of(self)
         self._prefix = "" if name in (None, "logger") else f"{name}/"
 
     @hookimpl
-    def after_step(self, loop, loss):
+    def after_step(self, loop: LoopLike, loss: Tensor | Mapping[str, Tensor]) -> None:
         step = loop.state.global_step
         if step % self.every or not loop.accelerator.sync_gradients:
             return  # (not after a micro-batch that completed no update)
         accelerator = loop.accelerator
-        losses = loss.items() if isinstance(loss, Mapping) else [(None, loss)]
-        values = {}
+        losses: Iterable[tuple[str | None, Tensor]] = (
+            loss.items() if isinstance(loss, Mapping) else [(None, loss)])
+        values: dict[str, float] = {}
         for name, value in losses:
             value = value.detach()
             if accelerator.num_processes > 1:  # a collective: every rank is here
@@ -72,7 +82,7 @@ class Logger:
             loop.print(f"step {step} " + " ".join(f"{k} {_fmt(v)}" for k, v in values.items()))
 
     @hookimpl
-    def on_epoch_end(self, loop, epoch, metrics):
+    def on_epoch_end(self, loop: LoopLike, epoch: int, metrics: Mapping[str, float]) -> None:
         if not metrics:
             return
         loop.log({self._prefix + k: v for k, v in {**metrics, "epoch": epoch}.items()})
@@ -80,5 +90,5 @@ class Logger:
             loop.print(f"epoch {epoch} " + " ".join(f"{k} {_fmt(v)}" for k, v in metrics.items()))
 
 
-def _fmt(value):
+def _fmt(value: object) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..markers import hookimpl
+
+if TYPE_CHECKING:  # names for the annotations only
+    from ..network import Network
+    from ..protocols import LoopLike
 
 
 class LearningRateMonitor:
@@ -43,7 +49,7 @@ class LearningRateMonitor:
 
     def __init__(self, logging_interval: str | None = "step", log_momentum: bool = False,
                  log_weight_decay: bool = False, log_key_prefix: str = "", every: int = 1,
-                 name_by: str = "optimizer"):
+                 name_by: str = "optimizer") -> None:
         if logging_interval not in (None, "step", "epoch"):
             raise ValueError(f"LearningRateMonitor: logging_interval must be 'step', 'epoch' or None, "
                              f"got {logging_interval!r}")
@@ -58,12 +64,12 @@ class LearningRateMonitor:
         self.every = every
         self.name_by = name_by
         #: every learning rate logged, by name
-        self.lrs: dict[str, list] = {}
+        self.lrs: dict[str, list[float]] = {}
         self._bases: dict[str, str] = {}  # network -> "lr-Adam", "lr-Adam-1", ...
-        self._keys: dict[str, tuple] = {}  # network -> (groups seen, keys per group)
+        self._keys: dict[str, tuple[int, list[str]]] = {}  # network -> (groups seen, keys per group)
 
     @hookimpl
-    def on_fit_start(self, loop):
+    def on_fit_start(self, loop: LoopLike) -> None:
         self._bases = {}
         self._keys = {}
         seen: dict[type, int] = defaultdict(int)
@@ -87,22 +93,22 @@ class LearningRateMonitor:
             )
 
     @hookimpl
-    def before_optimizer_step(self, loop, network):
+    def before_optimizer_step(self, loop: LoopLike, network: Network) -> None:
         if self.logging_interval == "step" and not loop.state.global_step % self.every:
             values = self._stats(network)
             if values:
                 loop.log(values)
 
     @hookimpl
-    def on_epoch_start(self, loop):
+    def on_epoch_start(self, loop: LoopLike) -> None:
         if self.logging_interval == "epoch":
-            values = {}
+            values: dict[str, float] = {}
             for network in loop.networks.values():
                 values.update(self._stats(network))
             if values:
                 loop.log(values)
 
-    def _stats(self, network) -> dict:
+    def _stats(self, network: Network) -> dict[str, float]:
         base = self._bases.get(network.name)
         if base is None:
             return {}
@@ -112,7 +118,7 @@ class LearningRateMonitor:
         if keys is None or keys[0] != len(groups):  # a param group was added: name again
             keys = self._keys[network.name] = (len(groups), _group_keys(self.log_key_prefix + base, groups))
         betas = "betas" in optimizer.defaults
-        values = {}
+        values: dict[str, float] = {}
         for key, group in zip(keys[1], groups):
             values[key] = group["lr"]
             self.lrs.setdefault(key, []).append(group["lr"])
@@ -123,12 +129,12 @@ class LearningRateMonitor:
         return values
 
 
-def _unwrap(optimizer):
+def _unwrap(optimizer: Any) -> Any:
     """The user's optimizer inside Accelerate's ``AcceleratedOptimizer``."""
     return getattr(optimizer, "optimizer", optimizer)
 
 
-def _group_keys(base: str, groups) -> list[str]:
+def _group_keys(base: str, groups: Sequence[Mapping[str, Any]]) -> list[str]:
     """Lightning's names: ``base`` for one unnamed group, ``base/<name>`` for a
     named one, ``base/pg1``, ``base/pg2``, ... for several."""
     if len(groups) == 1:

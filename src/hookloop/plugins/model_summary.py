@@ -3,9 +3,15 @@ Lightning's ``ModelSummary`` prints it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..markers import hookimpl
+
+if TYPE_CHECKING:  # names for the annotations only
+    from ..protocols import LoopLike
 
 
 class ModelSummary:
@@ -40,7 +46,7 @@ class ModelSummary:
     name = "model-summary"
     changes_training = False
 
-    def __init__(self, max_depth: int = 1):
+    def __init__(self, max_depth: int = 1) -> None:
         if not isinstance(max_depth, int) or isinstance(max_depth, bool) or max_depth < -1:
             raise ValueError(f"ModelSummary: max_depth must be an int >= -1, got {max_depth!r}")
         self.max_depth = max_depth
@@ -50,13 +56,13 @@ class ModelSummary:
         self.text = ""
 
     @hookimpl
-    def on_fit_start(self, loop):
+    def on_fit_start(self, loop: LoopLike) -> None:
         if self.max_depth == 0:
             return
         if loop.accelerator.is_main_process:
             loop.print(self.summarize(loop))
 
-    def summarize(self, loop) -> str:
+    def summarize(self, loop: LoopLike) -> str:
         """The summary of ``loop``'s networks (also kept in :attr:`text`)."""
         several = len(loop.networks) > 1
         self.rows = []
@@ -84,7 +90,7 @@ class ModelSummary:
         return self.text
 
 
-def _numel(param) -> int:
+def _numel(param: torch.Tensor) -> int:
     if isinstance(param, torch.nn.parameter.UninitializedParameter):
         return 0
     return param.numel()
@@ -98,7 +104,8 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def _table(rows, total, trainable, size_mb) -> str:
+def _table(rows: Sequence[tuple[str, str, int, int, str]], total: int, trainable: int,
+           size_mb: float) -> str:
     columns = [
         ("", [str(i) for i in range(len(rows))]),
         ("Name", [r[0] for r in rows]),

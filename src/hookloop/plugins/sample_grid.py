@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..markers import hookimpl
+
+if TYPE_CHECKING:  # names for the annotations only
+    from PIL import Image
+
+    from ..protocols import LoopLike
 
 
 class SampleGrid:
@@ -39,9 +46,11 @@ class SampleGrid:
     name = "samples"
     changes_training = False  # renders from fixed latents, every random state put back
 
-    def __init__(self, directory="samples", n=64, nrow=None, latent=None, seed=0,
-                 image_shape=None, value_range=(-1.0, 1.0), scale=4, every=1,
-                 network="generator"):
+    def __init__(self, directory: str | os.PathLike[str] = "samples", n: int = 64,
+                 nrow: int | None = None, latent: torch.Tensor | None = None, seed: int = 0,
+                 image_shape: Sequence[int] | None = None,
+                 value_range: tuple[float, float] = (-1.0, 1.0), scale: int = 4, every: int = 1,
+                 network: str = "generator") -> None:
         try:
             from PIL import Image
         except ImportError as exc:  # an optional dependency: say which
@@ -62,16 +71,16 @@ class SampleGrid:
         self.paths: list[str] = []
 
     @hookimpl
-    def on_fit_start(self, loop):
+    def on_fit_start(self, loop: LoopLike) -> None:
         if loop.state.epoch == 0 and loop.state.step_in_epoch == 0:
             self.write(loop, "epoch-000.png")
 
     @hookimpl
-    def on_epoch_end(self, loop, epoch):
+    def on_epoch_end(self, loop: LoopLike, epoch: int) -> None:
         if (epoch + 1) % self.every == 0:
             self.write(loop, f"epoch-{epoch + 1:03d}.png")
 
-    def write(self, loop, filename) -> str | None:
+    def write(self, loop: LoopLike, filename: str) -> str | None:
         """Render the grid and save it as ``directory/filename`` (main
         process only; returns the path there, ``None`` elsewhere)."""
         if not loop.accelerator.is_main_process:
@@ -82,7 +91,7 @@ class SampleGrid:
         self.paths.append(path)
         return path
 
-    def samples(self, loop) -> torch.Tensor:
+    def samples(self, loop: LoopLike) -> torch.Tensor:
         """The generator's output for the fixed latent vectors, on the CPU."""
         network = loop.networks[self.network]
         model = network.unwrapped
@@ -99,12 +108,12 @@ class SampleGrid:
         model.eval()
         try:
             with torch.no_grad():
-                out = model(self.latent.to(device))
+                out: torch.Tensor = model(self.latent.to(device))
         finally:
             model.train(was_training)
         return out.detach().float().cpu()
 
-    def render(self, loop):
+    def render(self, loop: LoopLike) -> Image.Image:
         """The grid as a PIL image (grey or RGB)."""
         x = self.samples(loop)
         if self.image_shape is not None:

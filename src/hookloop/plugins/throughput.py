@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..markers import hookimpl
+
+if TYPE_CHECKING:  # names for the annotations only
+    from ..protocols import LoopLike
 
 #: the clock (a test may replace it)
 _now = time.perf_counter
@@ -60,9 +64,11 @@ class ThroughputMonitor:
     name = "throughput"
     changes_training = False
 
-    def __init__(self, batch_size_fn=None, length_fn=None, *, every: int = 50, window: int = 100,
-                 flops_per_batch: float | None = None, available_flops: float | None = None,
-                 synchronize: bool = True, separator: str = "/"):
+    def __init__(self, batch_size_fn: Callable[[Any], int] | None = None,
+                 length_fn: Callable[[Any], float] | None = None, *, every: int = 50,
+                 window: int = 100, flops_per_batch: float | None = None,
+                 available_flops: float | None = None, synchronize: bool = True,
+                 separator: str = "/") -> None:
         for label, value in (("every", every), ("window", window)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ThroughputMonitor: {label} must be a positive int, got {value!r}")
@@ -79,18 +85,20 @@ class ThroughputMonitor:
         self._active = False
         self._reset()
 
-    def _reset(self):
-        self.batches = self.samples = self.lengths = 0
+    def _reset(self) -> None:
+        self.batches: int = 0
+        self.samples: int = 0
+        self.lengths: float = 0  # what length_fn counted: a Python number
         self._time = 0.0  # training seconds before the clock last started
-        self._since = None  # perf_counter() when the clock last started; None: stopped
+        self._since: float | None = None  # perf_counter() when the clock last started; None: stopped
         self._evaluating = False  # the clock was stopped for an evaluation inside the epoch
         # (time, batches, samples, lengths) at each logging point, and at the start
-        self._points = deque(maxlen=-(-self.window // self.every) + 1)
+        self._points: deque[tuple[float, int, int, float]] = deque(maxlen=-(-self.window // self.every) + 1)
 
     # -- hooks -------------------------------------------------------------
 
     @hookimpl
-    def on_fit_start(self, loop):
+    def on_fit_start(self, loop: LoopLike) -> None:
         acc = loop.accelerator
         self._active = acc.is_main_process
         self._device = acc.device
@@ -100,12 +108,12 @@ class ThroughputMonitor:
         self.last = {}
 
     @hookimpl
-    def on_epoch_start(self):
+    def on_epoch_start(self) -> None:
         if self._active:
             self._start_clock()
 
     @hookimpl
-    def after_step(self, loop, batch):
+    def after_step(self, loop: LoopLike, batch: Any) -> None:
         if not self._active:
             return
         self.batches += 1
@@ -116,40 +124,40 @@ class ThroughputMonitor:
             self._log(loop)
 
     @hookimpl
-    def on_eval_start(self):
+    def on_eval_start(self) -> None:
         # an evaluation inside the epoch (eval_every): its time is not training time
         self._evaluating = self._active and self._since is not None
         if self._evaluating:
             self._stop_clock()
 
     @hookimpl
-    def on_eval_end(self):
+    def on_eval_end(self) -> None:
         if self._evaluating:
             self._evaluating = False
             self._start_clock()
 
     @hookimpl
-    def on_train_epoch_end(self):
+    def on_train_epoch_end(self) -> None:
         if self._active:
             self._stop_clock()
 
     @hookimpl
-    def on_fit_end(self):
+    def on_fit_end(self) -> None:
         if self._active:
             self._stop_clock()
 
     @hookimpl
-    def on_exception(self):
+    def on_exception(self) -> None:
         if self._active:
             self._since = None
 
     # -- inside ------------------------------------------------------------
 
-    def _start_clock(self):
+    def _start_clock(self) -> None:
         if self._since is None:
             self._since = _now()
 
-    def _stop_clock(self):
+    def _stop_clock(self) -> None:
         if self._since is not None:
             self._sync()
             self._time += _now() - self._since
@@ -160,19 +168,19 @@ class ThroughputMonitor:
             return self._time
         return self._time + _now() - self._since
 
-    def _sync(self):
+    def _sync(self) -> None:
         if self.synchronize and self._device.type != "cpu":
             module = getattr(torch, self._device.type, None)
             if module is not None and hasattr(module, "synchronize"):
                 module.synchronize()
 
-    def _log(self, loop):
+    def _log(self, loop: LoopLike) -> None:
         self._sync()
         self._points.append((self._clock(), self.batches, self.samples, self.lengths))
         t0, b0, s0, l0 = self._points[0]  # ``window`` updates ago (or the start)
         t, b, s, n = self._points[-1]
         sep = self.separator
-        values = {f"train{sep}time": t, f"train{sep}batches": b, f"train{sep}samples": s}
+        values: dict[str, float] = {f"train{sep}time": t, f"train{sep}batches": b, f"train{sep}samples": s}
         if self.length_fn is not None:
             values[f"train{sep}lengths"] = n
         elapsed = t - t0
@@ -192,7 +200,7 @@ class ThroughputMonitor:
         loop.log(values)
 
 
-def _batch_size(batch) -> int:
+def _batch_size(batch: Any) -> int:
     """The length of the first tensor in ``batch`` (a tensor, a mapping's
     values or a sequence's items, depth first)."""
     size = _first_length(batch)
@@ -204,7 +212,7 @@ def _batch_size(batch) -> int:
     return size
 
 
-def _first_length(batch):
+def _first_length(batch: Any) -> int | None:
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else None
     items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()

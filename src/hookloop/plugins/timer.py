@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Mapping
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 from ..markers import hookimpl
+
+if TYPE_CHECKING:  # names for the annotations only
+    from ..protocols import LoopLike
 
 #: the clock (a test may replace it)
 _now = time.monotonic
@@ -49,8 +54,8 @@ class Timer:
     name = "timer"
     changes_training = True  # it stops training
 
-    def __init__(self, duration: str | timedelta | dict | None = None, interval: str = "step",
-                 verbose: bool = True, check_every: int | None = None):
+    def __init__(self, duration: str | timedelta | dict[str, float] | float | None = None,
+                 interval: str = "step", verbose: bool = True, check_every: int | None = None) -> None:
         self._duration = _seconds(duration)
         if interval not in ("step", "epoch"):
             raise ValueError(f"Timer: interval must be 'step' or 'epoch', got {interval!r}")
@@ -61,9 +66,9 @@ class Timer:
         self.verbose = verbose
         self.check_every = check_every
         self._every = 1
-        self._start = dict.fromkeys(STAGES)
-        self._end = dict.fromkeys(STAGES)
-        self._offset = dict.fromkeys(STAGES, 0.0)  # from earlier fits and checkpoints
+        self._start: dict[str, float | None] = dict.fromkeys(STAGES)
+        self._end: dict[str, float | None] = dict.fromkeys(STAGES)
+        self._offset: dict[str, float] = dict.fromkeys(STAGES, 0.0)  # from earlier fits and checkpoints
         #: the global_step at which the timer stopped training, or None
         self.stopped_at: int | None = None
 
@@ -100,7 +105,7 @@ class Timer:
     # -- hooks -------------------------------------------------------------
 
     @hookimpl(tryfirst=True)  # the clock starts before other plugins' set-up
-    def on_fit_start(self, loop):
+    def on_fit_start(self, loop: LoopLike) -> None:
         self._begin("train")
         self.stopped_at = None
         acc = loop.accelerator
@@ -111,39 +116,39 @@ class Timer:
         self._check(loop)  # a resumed run may have used up its time already
 
     @hookimpl
-    def after_step(self, loop):
+    def after_step(self, loop: LoopLike) -> None:
         if (self.interval == "step" and loop.accelerator.sync_gradients
                 and not loop.state.global_step % self._every):
             self._check(loop)
 
     @hookimpl
-    def on_train_epoch_end(self, loop):
+    def on_train_epoch_end(self, loop: LoopLike) -> None:
         if self.interval == "epoch":
             self._check(loop)
 
     @hookimpl
-    def on_eval_start(self):
+    def on_eval_start(self) -> None:
         self._begin("eval")
 
     @hookimpl
-    def on_eval_end(self):
+    def on_eval_end(self) -> None:
         self._finish("eval")
 
     @hookimpl
-    def on_fit_end(self):
+    def on_fit_end(self) -> None:
         self._finish("train")
 
     @hookimpl
-    def on_exception(self):
+    def on_exception(self) -> None:
         self._finish("eval")
         self._finish("train")
 
     # -- state -------------------------------------------------------------
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"time_elapsed": {stage: self.time_elapsed(stage) for stage in STAGES}}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         elapsed = state.get("time_elapsed", {})
         for stage in STAGES:
             self._offset[stage] = float(elapsed.get(stage, 0.0))
@@ -151,19 +156,19 @@ class Timer:
 
     # -- inside ------------------------------------------------------------
 
-    def _begin(self, stage):
+    def _begin(self, stage: str) -> None:
         if self._start[stage] is not None and self._end[stage] is None:
             return  # running already
         self._start[stage], self._end[stage] = _now(), None
 
-    def _finish(self, stage):
+    def _finish(self, stage: str) -> None:
         start = self._start[stage]
         if start is None or self._end[stage] is not None:
             return
-        self._end[stage] = _now()
-        self._offset[stage] += self._end[stage] - start
+        end = self._end[stage] = _now()
+        self._offset[stage] += end - start
 
-    def _check(self, loop):
+    def _check(self, loop: LoopLike) -> None:
         if self._duration is None:
             return
         stop = self.time_elapsed() >= self._duration
@@ -191,7 +196,7 @@ def _stage(stage: str) -> str:
     return stage
 
 
-def _seconds(duration) -> float | None:
+def _seconds(duration: object) -> float | None:
     if duration is None:
         return None
     if isinstance(duration, str):

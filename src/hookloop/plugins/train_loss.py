@@ -1,8 +1,16 @@
 """The epoch's mean training loss, as the hand-written scripts report it."""
 
+from __future__ import annotations
+
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from ..markers import hookimpl
+
+if TYPE_CHECKING:  # names for the annotations only
+    from torch import Tensor
+
+    from ..protocols import LoopLike
 
 
 class TrainLoss:
@@ -22,7 +30,7 @@ class TrainLoss:
     changes_training = False
 
     @hookimpl
-    def after_step(self, loop, loss):
+    def after_step(self, loop: LoopLike, loss: Tensor | Mapping[str, Tensor]) -> None:
         if isinstance(loss, Mapping):
             values = {f"train_loss/{name}": value.detach() for name, value in loss.items()}
         else:

@@ -33,7 +33,8 @@ student replaces it (read ``loop.strategy.temperature`` / ``.alpha`` there).
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,10 @@ import torch.nn.functional as F
 from ..batches import forward, logits_of, targets_of
 from ..markers import hookimpl
 from .base import StepOutput, Strategy, loss_and_backward, update
+
+if TYPE_CHECKING:  # names for the annotations only
+    from ..network import Network
+    from ..protocols import LoopLike
 
 
 class Distillation(Strategy):
@@ -66,7 +71,7 @@ class Distillation(Strategy):
     network_names = ("teacher", "student")
     frozen_networks = ("teacher",)
 
-    def __init__(self, temperature: float = 2.0, alpha: float = 0.5):
+    def __init__(self, temperature: float = 2.0, alpha: float = 0.5) -> None:
         if not isinstance(temperature, numbers.Real) or isinstance(temperature, bool) or not temperature > 0:
             raise ValueError(f"Distillation: temperature must be a positive number, got {temperature!r}")
         if not isinstance(alpha, numbers.Real) or isinstance(alpha, bool) or not 0 <= alpha <= 1:
@@ -79,7 +84,7 @@ class Distillation(Strategy):
 
         return [DistillationLoss(), DefaultMetrics()]
 
-    def check_networks(self, networks):
+    def check_networks(self, networks: Mapping[str, Network]) -> None:
         super().check_networks(networks)
         teacher = networks["teacher"]
         if teacher.optimizer is not None or teacher.scheduler is not None:
@@ -93,13 +98,13 @@ class Distillation(Strategy):
                              "optimizer, Network(student, optimizer)")
 
     @hookimpl(tryfirst=True)
-    def on_fit_start(self, loop):
+    def on_fit_start(self, loop: LoopLike) -> None:
         teacher = loop.networks["teacher"]
         teacher.unwrapped.requires_grad_(False)
         teacher.model.eval()  # the loop keeps it so; also when built with prepare=False
 
     @hookimpl(trylast=True)
-    def training_step(self, loop, batch):
+    def training_step(self, loop: LoopLike, batch: Any) -> StepOutput:
         teacher, student = loop.networks["teacher"], loop.networks["student"]
         with torch.no_grad():
             teacher_outputs = forward(teacher.model, batch)
@@ -110,11 +115,13 @@ class Distillation(Strategy):
         return StepOutput(outputs, loss)
 
     @hookimpl(trylast=True)
-    def eval_step(self, loop, batch):
+    def eval_step(self, loop: LoopLike, batch: Any) -> Any:
         return forward(loop.networks["student"].model, batch)
 
 
-def distillation_loss(student_logits, teacher_logits, targets=None, temperature=2.0, alpha=0.5):
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                      targets: torch.Tensor | None = None, temperature: float = 2.0,
+                      alpha: float = 0.5) -> torch.Tensor:
     """``alpha * T² * KL(softmax(t/T) || softmax(s/T)) + (1 - alpha) *
     cross_entropy(s, targets)``, the KL averaged over examples
     (``reduction="batchmean"``). Logits of shape ``(..., classes)`` are
@@ -143,12 +150,13 @@ class DistillationLoss:
     name = "loss"
     changes_training = True
 
-    def __init__(self, temperature=None, alpha=None):
+    def __init__(self, temperature: float | None = None, alpha: float | None = None) -> None:
         self.temperature = temperature
         self.alpha = alpha
 
     @hookimpl(trylast=True)
-    def compute_loss(self, loop, network, batch, outputs):
+    def compute_loss(self, loop: LoopLike, network: Network, batch: Any,
+                     outputs: Mapping[str, Any]) -> torch.Tensor | None:
         if network.name != "student":
             return None
         strategy = loop.strategy

@@ -48,8 +48,8 @@ the ``"generator"`` entries are absent.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +57,14 @@ import torch.utils.data
 
 from ..markers import hookimpl
 from .base import StepOutput, Strategy, frozen, loss_and_backward, update
+
+if TYPE_CHECKING:  # names for the annotations only
+    from ..network import Network
+    from ..protocols import LoopLike
+
+#: ``latent_sampler(n, generator) -> z``: ``generator`` is None only when
+#: :meth:`GAN.sample_latent` is called without one
+LatentSampler = Callable[[int, "torch.Generator | None"], torch.Tensor]
 
 #: mapping keys tried, in order, for the real sample of a dict batch
 REAL_KEYS = ("pixel_values", "images", "image")
@@ -102,8 +110,11 @@ class GAN(Strategy):
     name = "gan"
     network_names = ("generator", "discriminator")
 
-    def __init__(self, latent_dim, n_critic=1, latent_sampler=None, real=None, seed=None):
-        shape = (latent_dim,) if isinstance(latent_dim, int) else tuple(latent_dim)
+    def __init__(self, latent_dim: int | Sequence[int], n_critic: int = 1,
+                 latent_sampler: LatentSampler | None = None,
+                 real: str | int | Callable[[Any], torch.Tensor] | None = None,
+                 seed: int | None = None) -> None:
+        shape: tuple[int, ...] = (latent_dim,) if isinstance(latent_dim, int) else tuple(latent_dim)
         if not shape or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
             raise ValueError(f"GAN: latent_dim must be a positive int or a shape, got {latent_dim!r}")
         if not isinstance(n_critic, int) or isinstance(n_critic, bool) or n_critic < 1:
@@ -119,19 +130,19 @@ class GAN(Strategy):
         self.seed = seed
         #: discriminator updates done: decides which batches train the generator
         self.d_updates = 0
-        self._noise = None  # torch.Generator on the training device, reseeded each step
+        self._noise: torch.Generator | None = None  # on the training device, reseeded each step
 
     # -- what the loop asks of a strategy ------------------------------------
 
     def default_plugins(self) -> list[Any]:
         return [GANLoss()]
 
-    def check_networks(self, networks):
+    def check_networks(self, networks: Mapping[str, Network]) -> None:
         names = set(networks)
         missing = [n for n in self.network_names if n not in names]
         extra = sorted(names - set(self.network_names))
         if missing or extra:
-            parts = []
+            parts: list[str] = []
             if missing:
                 parts.append(f"missing {', '.join(map(repr, missing))}")
             if extra:
@@ -145,7 +156,7 @@ class GAN(Strategy):
 
     # -- public helpers ------------------------------------------------------
 
-    def sample_latent(self, n, generator=None):
+    def sample_latent(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """A latent batch of ``n`` samples drawn from ``generator`` (a
         ``torch.Generator``; on its device), as the training step draws them.
         The sample-grid plugin uses this for its fixed latent vectors."""
@@ -154,7 +165,7 @@ class GAN(Strategy):
         device = generator.device if generator is not None else None
         return torch.randn((n, *self.latent_shape), generator=generator, device=device)
 
-    def real_samples(self, batch):
+    def real_samples(self, batch: Any) -> torch.Tensor:
         """The real sample of a training batch (see the ``real`` option)."""
         real = self.real
         if real is not None:
@@ -183,23 +194,23 @@ class GAN(Strategy):
             raise TypeError(f"the real sample taken from the batch is a {type(x).__name__}, not a tensor")
         return x
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Plain data a checkpoint keeps: the noise seed and the count that
         decides which batches train the generator."""
         return {"seed": self.seed, "d_updates": self.d_updates}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.seed = state["seed"]
         self.d_updates = state["d_updates"]
 
     # -- hooks -----------------------------------------------------------------
 
     @hookimpl(tryfirst=True)
-    def on_loop_start(self, loop):
+    def on_loop_start(self, loop: LoopLike) -> None:
         check_batched(loop.train_data)  # at Loop(...), before anything is prepared
 
     @hookimpl(tryfirst=True)
-    def on_fit_start(self, loop):
+    def on_fit_start(self, loop: LoopLike) -> None:
         check_batched(loop.train_data)  # also when loop.train_data was replaced since
         accelerator = loop.accelerator
         if accelerator.mixed_precision == "fp16":
@@ -211,7 +222,7 @@ class GAN(Strategy):
         self._noise_generator(loop)
 
     @hookimpl(trylast=True)
-    def training_step(self, loop, batch):
+    def training_step(self, loop: LoopLike, batch: Any) -> StepOutput:
         G, D = loop.networks["generator"], loop.networks["discriminator"]
         accelerator = loop.accelerator
         real = self.real_samples(batch)
@@ -219,9 +230,11 @@ class GAN(Strategy):
         # per process and per batch: ranks draw different noise, a resumed run
         # (same micro_step) draws the same noise again
         noise = self._noise_generator(loop)
+        assert self.seed is not None  # _noise_generator set it
         noise.manual_seed(_mix(self.seed, accelerator.process_index, loop.state.micro_step))
         z = self.sample_latent(real.shape[0], noise)
-        outputs, losses = {}, {}
+        outputs: dict[str, dict[str, torch.Tensor]] = {}
+        losses: dict[str, torch.Tensor] = {}
         # entered once per batch: Accelerate counts one micro-step per entry
         with loop.accumulate(G.model, D.model):
             # one generator forward; its graph is kept only for the generator step
@@ -260,7 +273,7 @@ class GAN(Strategy):
                 update(loop, G)
         return StepOutput(outputs, losses)
 
-    def _noise_generator(self, loop):
+    def _noise_generator(self, loop: LoopLike) -> torch.Generator:
         if self.seed is None:
             self.seed = torch.initial_seed()
         if self._noise is None:
@@ -282,7 +295,7 @@ class GANLoss:
     changes_training = True
 
     @hookimpl(trylast=True)
-    def compute_loss(self, network, outputs):
+    def compute_loss(self, network: Network, outputs: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
         if network.name == "discriminator":
             real, fake = outputs["real"], outputs["fake"]
             return F.binary_cross_entropy_with_logits(
@@ -294,7 +307,7 @@ class GANLoss:
         return None
 
 
-def check_batched(data, what="train_data") -> None:
+def check_batched(data: Any, what: str = "train_data") -> None:
     """Refuse data that iterates one sample at a time: a tensor (its rows) or
     a map-style ``torch.utils.data.Dataset`` (its examples). The GAN would
     train on each sample alone, without a batch dimension, and say nothing."""

@@ -10,16 +10,16 @@ from typing import Any
 import torch
 
 
-def value(option):
+def value(option: Any) -> Any:
     """An enum option (``SaveStrategy.EPOCH``) as its string."""
     return getattr(option, "value", option)
 
 
-def named(base, key):
+def named(base: str, key: str | None) -> str:
     return base if key is None else f"{base}/{key}"
 
 
-def number(value):
+def number(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.item()
     try:
@@ -32,7 +32,7 @@ def number(value):
     return value
 
 
-def examples(batch) -> int:
+def examples(batch: Any) -> int:
     """Examples in a batch: the first dimension of its first tensor."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.ndim else 1
