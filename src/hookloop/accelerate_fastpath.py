@@ -209,6 +209,37 @@ class FastPath:
             if not one_cycle or inner._step_count <= inner.total_steps:
                 inner.step()
 
+    def update(self, optimizer, scheduler):
+        """``step(optimizer)``, ``scheduler_step(scheduler)`` (unless None),
+        ``zero_grad(optimizer)``: the same calls in the same order, in one
+        call when both plans are plain and gradients are synchronised (the
+        step with no update hook implemented: three calls' lookups once)."""
+        plan = self._plans.get(optimizer, False)
+        splan = self._schedulers.get(scheduler, False) if scheduler is not None else None
+        if (plan is False or not plan or splan is False or not self._gradient_state.sync_gradients
+                or (scheduler is not None and splan is None)):
+            self.step(optimizer)
+            if scheduler is not None:
+                self.scheduler_step(scheduler)
+            self.zero_grad(optimizer)
+            return
+        inner = plan[0]
+        inner.step(None)  # Accelerate passes closure=None positionally
+        if splan is not None:
+            schedule, optimizers = splan
+            for opt in optimizers:  # only a gradient scaler sets it; kept for exactness
+                if opt._is_overflow:
+                    break
+            else:
+                one_cycle = hasattr(schedule, "total_steps")
+                for _ in range(self._processes):
+                    if not one_cycle or schedule._step_count <= schedule.total_steps:
+                        schedule.step()
+        if plan[1]:
+            inner.zero_grad(set_to_none=True)
+        else:
+            inner.zero_grad()
+
     def _scheduler_plan(self, scheduler):
         plan = None
         if (self.enabled and type(scheduler) is AcceleratedScheduler and "step" not in vars(scheduler)

@@ -341,9 +341,12 @@ class Loop:
         length = length_of(self.train_data)  # batches in a whole epoch, if known
         prepared = isinstance(self.train_data, DataLoaderStateMixin)  # knows its last batch
         logbook, agreement, at_end = self._logbook, self._agreement, self._fastpath.end_of_dataloader
+        # calls of nothing left out (the relay is this epoch's: see relay.unimplemented)
+        quiet_before, quiet_safe = hook.unimplemented(("before_step",)), hook.unimplemented(("on_safe_point",))
         for batch in batches:
             logbook.step = state.global_step + 1  # what this batch's values are logged at
-            hook.before_step(loop=self, batch=batch)
+            if not quiet_before:
+                hook.before_step(loop=self, batch=batch)
             state.step_in_epoch += 1
             state.epoch_ended = False
             if settings.get("num_steps", 1) != k:  # set by a plugin since the last batch
@@ -382,8 +385,9 @@ class Loop:
                 if reason is None:
                     if last:  # the epoch's end follows; its evaluation is this update's
                         state.epoch_end_reason = DATA
-                    self._safe_point(epoch_end=False)
-                    reason = None if last else self._early_end()
+                    if not quiet_safe:  # else no hook ran since the last _early_end()
+                        self._safe_point(epoch_end=False)
+                        reason = None if last else self._early_end()
             if reason is not None:
                 abandon(batches, self.accelerator, loaders_before)
                 return reason

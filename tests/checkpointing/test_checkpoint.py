@@ -289,3 +289,14 @@ def test_resuming_from_an_older_checkpoint_warns_about_the_newer_ones(tmp_path):
     loop = make(tmp_path, resume_from=tmp_path / "step-00000002")
     with pytest.warns(RuntimeWarning, match=r"resumed from step-00000002.*\(step-00000004, step-00000006\)"):
         loop.fit(max_steps=3)
+
+
+def test_a_save_at_the_resumed_position_names_the_resumed_checkpoint(tmp_path):
+    # (found by mypy: the "saved here already" shortcut returned None after a
+    # resume, when nothing this run saved held the position)
+    make(tmp_path).fit(epochs=EPOCHS)
+    loop = make(tmp_path, resume_from="latest")
+    resumed = loop.resumed_from
+    loop.fit(epochs=EPOCHS)  # the run had ended: no step, no new checkpoint
+    checkpoint = loop.plugins.get("checkpoint")
+    assert checkpoint.save(loop) == resumed

@@ -9,6 +9,7 @@ and ``load_state_dict(state)`` is saved under its plugin name
 
 from __future__ import annotations
 
+from typing import Any
 import json
 import random
 from pathlib import Path
@@ -161,7 +162,7 @@ def parse_rank_file(data: bytes):
     tensors = load_bytes(data)
     size = int.from_bytes(data[:8], "little")
     meta = json.loads(data[8:8 + size]).get("__metadata__") or {}
-    epoch = None
+    epoch: dict[str, Any] | None = None
     if "epoch.torch" in tensors:
         epoch = {
             "rng": _rng_from_tensors("epoch", tensors, meta),

@@ -4,6 +4,7 @@ is loaded. :func:`first_nonfinite` is the one fast check both sides use.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import contextlib
 from pathlib import Path
 
@@ -35,7 +36,7 @@ def first_nonfinite(tensors) -> int | None:
     for index in groups.values():
         group = [tensors[i] for i in index]
         try:
-            norms = torch._foreach_norm(group)
+            norms: Sequence[torch.Tensor] = torch._foreach_norm(group)
         except (RuntimeError, TypeError, AttributeError, NotImplementedError):  # an exotic dtype
             norms = [t.float().sum() for t in group]
         ok = torch.stack([n.reshape(()) for n in norms]).isfinite()

@@ -30,6 +30,7 @@ without trusting them (:mod:`.dcp_metadata`).
 
 from __future__ import annotations
 
+from typing import Any
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,11 +60,13 @@ def user_sharded(model) -> bool:
     or DTensor parameters."""
     from torch.distributed.tensor import DTensor
 
+    wrappers: tuple[type, ...] = ()
     try:
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+        wrappers = (FSDPModule, FullyShardedDataParallel)
     except ImportError:  # pragma: no cover - torch without FSDP2
-        FSDPModule = FullyShardedDataParallel = ()
-    if isinstance(model, (FSDPModule, FullyShardedDataParallel)):
+        pass
+    if isinstance(model, wrappers):
         return True
     return any(isinstance(p, DTensor) for p in model.parameters())
 
@@ -166,7 +169,7 @@ def save(loop, tmp: Path, sharding: dict) -> dict:
     """Every rank, after ``save_state``: write the networks the user sharded
     (``dcp/<network>/``), then fsync and checksum the shard files this rank
     wrote. Returns ``{rel: (size, crc32)}`` of those files."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict_saver  # dcp.save, as its module exports it
     from torch.distributed.checkpoint.state_dict import get_state_dict, get_model_state_dict
 
     from . import layout
@@ -180,7 +183,7 @@ def save(loop, tmp: Path, sharding: dict) -> dict:
             state = {"model": model_state, "optimizer": optimizer_state}
         else:
             state = {"model": get_model_state_dict(net.model)}
-        dcp.save(state, checkpoint_id=str(folder))
+        state_dict_saver.save(state, checkpoint_id=str(folder))
         if net.scheduler is not None and acc.is_main_process:
             torch.save(net.scheduler.state_dict(), folder / "scheduler.bin")
     own = {}
@@ -199,7 +202,8 @@ def gather(acc, own: dict, sharding: dict) -> dict:
     from accelerate.utils import gather_object
 
     parts = gather_object([(acc.process_index, own)]) if acc.num_processes > 1 else [(0, own)]
-    known, shards = {}, {}
+    known: dict[str, Any] = {}
+    shards: dict[str, Any] = {}
     for rank, files in parts:
         known.update(files)
         shards[str(rank)] = sorted(files)
@@ -353,7 +357,7 @@ def _restore(loop, staged, sharded: Sharded, apply) -> None:
 
 
 def _load_dcp(net, folder: Path, scheduler_state) -> None:
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict_loader  # dcp.load, as its module exports it
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_state_dict,
@@ -363,10 +367,10 @@ def _load_dcp(net, folder: Path, scheduler_state) -> None:
 
     if net.optimizer is not None:
         model_state, optimizer_state = get_state_dict(net.model, net.optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
+        state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
     else:
         state = {"model": get_model_state_dict(net.model)}
-    dcp.load(state, checkpoint_id=str(folder))  # its non-tensor items: verified in stage()
+    state_dict_loader.load(state, checkpoint_id=str(folder))  # its non-tensor items: verified in stage()
     if net.optimizer is not None:
         set_state_dict(net.model, net.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])

@@ -26,6 +26,7 @@ non-finite copy is never written.
 
 from __future__ import annotations
 
+from typing import Any
 import copy as _copy
 import weakref
 from collections import OrderedDict
@@ -129,9 +130,9 @@ class _Copier:
     def __init__(self, pool: dict, check: bool):
         self.pool = pool
         self.checking = check
-        self.storages = {}  # (device, data_ptr) -> host storage
+        self.storages: dict[tuple[Any, int], Any] = {}  # (device, data_ptr) -> host storage
         self.copied = 0
-        self.floating = []  # (rel, key, host copy)
+        self.floating: list[tuple[str, tuple[Any, ...], Any]] = []  # (rel, key, host copy)
 
     def _host_storage(self, source, device):
         nbytes = source.nbytes()

@@ -6,6 +6,7 @@ checked to fit, and only then committed.
 
 from __future__ import annotations
 
+from typing import Any
 import os
 import warnings
 from pathlib import Path
@@ -99,7 +100,7 @@ def _find(resume_from, root, stacklevel: int = 4):
     order += [c for c in reversed(candidates) if c != name]
     if not order:
         _agree_on_nothing(views, resume_from)
-    problems = []
+    problems: list[str] = []
     for candidate in order:
         blind = [r for r, v in enumerate(views) if candidate in candidates and candidate not in v["names"]]
         if blind:
@@ -141,7 +142,7 @@ def _views(resume_from, root, lenient: bool) -> tuple[list[dict], CheckpointErro
     ``path`` (with its ``exists`` and ``manifest``), ``root``, the name
     ``latest`` holds, the checkpoint ``names`` in the root, a ``warning``
     (``latest`` names no checkpoint) and an ``error`` message."""
-    view = {"kind": "root", "path": None, "exists": False, "manifest": False, "root": None,
+    view: dict[str, Any] = {"kind": "root", "path": None, "exists": False, "manifest": False, "root": None,
             "latest": None, "names": [], "warning": None, "error": None}
     error = None
     if lenient:

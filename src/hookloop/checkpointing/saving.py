@@ -13,6 +13,7 @@ replaces are looked up in their modules at each call
 
 from __future__ import annotations
 
+from typing import Any
 import json
 import os
 import re
@@ -96,7 +97,8 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
 
     # every rank checks its own memory; an asynchronous save checks while it copies
     refusal = None if background else finite.refuse_nonfinite(loop, root, name, position["global_step"])
-    plugins, tensors = {}, {}
+    plugins: dict[str, Any] = {}
+    tensors: dict[str, Any] = {}
     with every_rank(acc, catch=(CheckpointError, OSError),
                     describe=failed(f"cannot create {tmp}", refusals=True)):
         if refusal is not None:
@@ -132,7 +134,10 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
                     acc.save_state(str(tmp))
             own = formats.save(loop, tmp, sharding) if sharding is not None else None
             codec.write_rank_file(tmp / RANK_FILE.format(rank=acc.process_index), loop)
-        shards = formats.gather(acc, own, sharding) if sharding is not None else None
+        shards = None
+        if sharding is not None:
+            assert own is not None  # formats.save ran on every rank: every_rank re-raises a failure
+            shards = formats.gather(acc, own, sharding)
         doc = _manifest(loop, final, position, networks, plugins, reason, monitor, shards)
 
         def publish_all():
@@ -261,7 +266,7 @@ def check_rank_files(tmp: Path, final: Path, num_processes: int) -> None:
     files (``random_states_<r>.pkl``, ``hookloop-rank<r>.safetensors``) are
     in this process's ``tmp``, one ``stat`` each; else
     :class:`MissingRankFiles` naming the ranks, the files and the folder."""
-    missing = {}
+    missing: dict[int, list[str]] = {}
     for rank in range(num_processes):
         for rel in (accel.rng_file(rank), RANK_FILE.format(rank=rank)):
             try:

@@ -6,6 +6,7 @@ is staged here, or nothing.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,8 +97,8 @@ class _Checks:
 
         self.where = where
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="hookloop-verify")
-        self.crcs = []  # (rel, what, expected, future)
-        self.finite = None
+        self.crcs: list[tuple[str, str, int, Future[int] | None]] = []  # (rel, what, expected, future)
+        self.finite: Future[None] | None = None
 
     def crc(self, opened, expected: int, rel: str, what: str) -> None:
         """:func:`~.manifest.verified`'s ``deferred``: checksum ``opened`` in the thread."""
@@ -183,7 +184,7 @@ def _stage(path: Path, doc: dict, process_index: int | None, checks: _Checks) ->
     # (in the thread, while the small files below are read)
     checks.check_finite(models, optimizers, doc, where)
     schedulers = []
-    for i in range(counts["schedulers"] if plain else sharding["scheduler_files"]):
+    for i in range(counts["schedulers"] if plain or sharding is None else sharding["scheduler_files"]):
         rel = accel.scheduler_file(i)
         what = owner.get(rel, f"the state of accelerator scheduler #{i}")
         schedulers.append(load(accel.torch_load, rel, what))

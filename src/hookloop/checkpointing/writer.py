@@ -243,7 +243,8 @@ def write_error(exc: BaseException, root: Path, what: str) -> str:
     import errno
 
     full = False
-    seen, cause = set(), exc
+    seen: set[int] = set()
+    cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
         if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):

@@ -391,17 +391,18 @@ class Checkpoint(CheckpointPolicy):
         ``on_safe_point``, before this plugin's turn: at this one)."""
         self._requested = reason
 
-    def _save(self, loop, reason, monitor=None) -> Path:
+    def _save(self, loop, reason, monitor=None) -> Path | None:
         position = loop.state.state_dict()
         epoch_end = position["step_in_epoch"] == 0
         if position == self._saved_position and monitor is None:
-            return self.saving or self.last_saved  # (saved here already; again only for a monitored value)
+            return self.saving or self.last_saved or loop.resumed_from  # saved here already, or resumed from
         finite = loop.plugins.get("finite")
         if finite is not None and callable(getattr(finite, "check", None)):
             finite.check(loop)  # never publish a checkpoint of a run whose loss went NaN
         root = self.directory(loop)
         name = checkpointing.checkpoint_name(position["global_step"], epoch_end)
-        record, keep = None, ()
+        record = None
+        keep: set[str] | tuple[()] = ()
         if self.monitor is not None:
             if monitor is not None:
                 record = {"key": self.monitor, "value": monitor, "mode": self.mode}

@@ -91,9 +91,12 @@ class FiniteCheck:
 
     @hookimpl(tryfirst=True)
     def after_step(self, loop, loss):
-        if self._immediate and isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            if math.isfinite(loss.item()):  # the common case, kept short: ~0.4 µs
-                return
+        if self._immediate and type(loss) is torch.Tensor:
+            try:  # the common case, kept short: a one-value loss, read at once
+                if math.isfinite(loss.item()):
+                    return
+            except RuntimeError:  # several values: item() refuses them
+                pass
         if self.action != "raise":
             return
         step = loop.state.global_step

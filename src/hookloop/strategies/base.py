@@ -20,6 +20,11 @@ class StepOutput(NamedTuple):
     loss: Any
 
 
+#: ``StepOutput(outputs, loss)`` without the generated ``__new__``'s Python
+#: frame (~2.5k instructions a step): the same tuple of the same class
+_new_step_output = tuple.__new__
+
+
 class Strategy:
     """What the loop asks of a strategy; subclass it, or write any object
     with the same attributes (the loop reads them, it does not check the
@@ -168,15 +173,51 @@ def loss_and_backward(loop, network, batch, outputs):
     try:
         loop._fastpath.backward(loss)
     except RuntimeError as exc:
-        problem = _loss_problem(loss)
-        if problem is None:
-            raise
-        raise _loss_error(ValueError, loop, network, batch, outputs,
-                          f"compute_loss returned an unusable loss for network {network.name!r}",
-                          problem) from exc
+        _refused(exc, loop, network, batch, outputs, loss)
     if not quiet:
         hook.after_backward(loop=loop, network=network)
     return loss
+
+
+def _refused(exc, loop, network, batch, outputs, loss):
+    """``backward`` refused ``loss``: raise the error naming the plugin that
+    returned it, or ``exc`` itself when the loss looks usable."""
+    problem = _loss_problem(loss)
+    if problem is None:
+        raise exc
+    raise _loss_error(ValueError, loop, network, batch, outputs,
+                      f"compute_loss returned an unusable loss for network {network.name!r}",
+                      problem) from exc
+
+
+def plain_steps(loop) -> bool:
+    """Whether :func:`plain_step` may stand for one network's forward,
+    :func:`loss_and_backward` and :func:`update`: no gradient accumulation,
+    ``backward`` is ``loss.backward()`` (:mod:`hookloop.accelerate_fastpath`),
+    and no plugin implements a backward or update hook. It stays so for as
+    long as ``loop.hook`` and ``loop._fastpath`` are the same objects (a
+    change of plugins or of accumulation replaces one of them)."""
+    return (not loop._accumulating and loop._fastpath.plain_backward
+            and loop.hook.unimplemented(_STEP_HOOKS))
+
+
+def plain_step(loop, network, batch, forward):
+    """One network's step in one frame where :func:`plain_steps` says so
+    and its scheduler (if any) steps at every update: ``forward(model,
+    batch)``, ``compute_loss``, ``loss.backward()``, then optimizer step,
+    scheduler step and ``zero_grad``; the same calls as
+    ``loss_and_backward`` and ``update`` make, in the same order. Returns
+    the :class:`StepOutput`."""
+    outputs = forward(network.model, batch)
+    loss = loop.hook.compute_loss(loop=loop, network=network, batch=batch, outputs=outputs)
+    if not isinstance(loss, torch.Tensor):
+        check_loss(loss, network, loop, batch, outputs)
+    try:
+        loss.backward()
+    except RuntimeError as exc:
+        _refused(exc, loop, network, batch, outputs, loss)
+    loop._fastpath.update(network.optimizer, network.scheduler)
+    return _new_step_output(StepOutput, (outputs, loss))
 
 
 #: the hooks around one network's update; without implementations (the
@@ -184,6 +225,7 @@ def loss_and_backward(loop, network, batch, outputs):
 _UPDATE_HOOKS = ("before_optimizer_step", "after_optimizer_step", "before_scheduler_step",
                  "after_scheduler_step", "before_zero_grad", "after_zero_grad")
 _BACKWARD_HOOKS = ("before_backward", "after_backward")
+_STEP_HOOKS = _BACKWARD_HOOKS + _UPDATE_HOOKS
 
 
 def update(loop, network):
@@ -201,10 +243,7 @@ def update(loop, network):
         scheduler = _scheduled(loop, network, fast)  # None: not at this update
     hook = loop.hook
     if not fast.sync_gradients() or hook.unimplemented(_UPDATE_HOOKS):
-        fast.step(optimizer)
-        if scheduler is not None:
-            fast.scheduler_step(scheduler)
-        fast.zero_grad(optimizer)
+        fast.update(optimizer, scheduler)  # step, scheduler step, zero_grad
         return
     hook.before_optimizer_step(loop=loop, network=network)
     fast.step(optimizer)

@@ -6,7 +6,7 @@ from ..batches import forward
 from ..markers import hookimpl
 from ..plugins.loss import DefaultLoss
 from ..plugins.metrics import DefaultMetrics
-from .base import StepOutput, Strategy, loss_and_backward, update
+from .base import StepOutput, Strategy, loss_and_backward, plain_step, plain_steps, update
 
 
 class Supervised(Strategy):
@@ -34,9 +34,19 @@ class Supervised(Strategy):
                 "For several networks pass a strategy, e.g. strategy=GAN(...)."
             )
 
+    #: the ``(loop.hook, loop._fastpath)`` that :attr:`_plain` was decided for
+    _plain_for: tuple = (None, None)
+    _plain = False
+
     @hookimpl(trylast=True)
     def training_step(self, loop, batch):
         network = loop.networks["model"]
+        hook, fast = loop.hook, loop._fastpath
+        decided = self._plain_for
+        if decided[0] is not hook or decided[1] is not fast:
+            self._plain, self._plain_for = plain_steps(loop), (hook, fast)
+        if self._plain and network.scheduler_interval == "step" and network.scheduler_frequency == 1:
+            return plain_step(loop, network, batch, forward)  # the defaults: one frame, no context
         with loop.accumulate(network.model):
             outputs = forward(network.model, batch)
             loss = loss_and_backward(loop, network, batch, outputs)
