@@ -70,7 +70,9 @@ from hookloop.preemption import Preempted
 
 
 def pause_here(out, rank, what, until=None):
-    (out / f"paused-{rank}").write_text(json.dumps({"pid": os.getpid(), "at": what}))
+    # written whole, then renamed: a test polling for the marker never reads it half-written
+    (out / f".paused-{rank}").write_text(json.dumps({"pid": os.getpid(), "at": what}))
+    os.replace(out / f".paused-{rank}", out / f"paused-{rank}")
     deadline = time.monotonic() + 120  # the test kills us long before
     while time.monotonic() < deadline:
         if until is not None and until():

@@ -64,7 +64,9 @@ def force_fsdp(accelerator, version=2, state_dict_type="SHARDED_STATE_DICT"):
 
 
 def pause_here(out, rank, what):
-    (out / f"paused-{rank}").write_text(json.dumps({"pid": os.getpid(), "at": what}))
+    # written whole, then renamed: a test polling for the marker never reads it half-written
+    (out / f".paused-{rank}").write_text(json.dumps({"pid": os.getpid(), "at": what}))
+    os.replace(out / f".paused-{rank}", out / f"paused-{rank}")
     deadline = time.monotonic() + 120  # the test kills us long before
     while time.monotonic() < deadline:
         time.sleep(0.01)
