@@ -110,6 +110,8 @@ from typing import TYPE_CHECKING, Any
 from .markers import hookspec
 
 if TYPE_CHECKING:  # names for the annotations only: nothing more is imported at run time
+    from pathlib import Path
+
     from torch import Tensor
 
     from .network import Network
@@ -293,6 +295,78 @@ def on_safe_point(loop: LoopLike, epoch_end: bool, fit_end: bool) -> None:
     Return value ignored.
 
     .. versionadded:: 0.3
+    """
+
+
+# -- checkpoints --------------------------------------------------------------
+
+
+@hookspec
+def before_save_checkpoint(loop: LoopLike, checkpoint: Path, reason: str) -> None:
+    """Called by a ``Checkpoint`` plugin before it writes a checkpoint (at a
+    safe point, or outside a fit), on every process. Raise to refuse it: the
+    built-in ``FiniteCheck`` raises ``NonFiniteLoss`` for a run whose loss
+    went NaN, so that no checkpoint of a poisoned run is published.
+
+    :param loop: the :class:`~hookloop.Loop`, at the position the checkpoint records.
+    :param checkpoint: where it will be written (a later generation of the
+        name if that one is taken: see ``after_save_checkpoint``).
+    :param reason: why (``"every_steps"``, ``"epoch_end"``, ``"monitor"``,
+        ``"fit_end"``, ``"preempted"``, ``"requested"`` ...).
+
+    Return value ignored.
+
+    .. versionadded:: 0.4
+    """
+
+
+@hookspec
+def after_save_checkpoint(loop: LoopLike, checkpoint: Path, reason: str) -> None:
+    """Called on every process when a checkpoint a ``Checkpoint`` plugin
+    wrote is published (``latest`` names it): at once for a synchronous
+    save, at a later safe point (or the fit's end) for an asynchronous one.
+    Report it to an experiment tracker or a job scheduler here.
+
+    :param loop: the :class:`~hookloop.Loop`.
+    :param checkpoint: its directory.
+    :param reason: why it was written (as in ``before_save_checkpoint``).
+
+    Return value ignored.
+
+    .. versionadded:: 0.4
+    """
+
+
+@hookspec
+def after_load_checkpoint(loop: LoopLike, checkpoint: Path, manifest: dict[str, Any] | None) -> None:
+    """Called once a checkpoint is restored (``Loop(resume_from=...)``,
+    ``loop.load_checkpoint``; not ``weights_only=True``), after the plugin
+    states, on every process.
+
+    :param loop: the :class:`~hookloop.Loop`, restored.
+    :param checkpoint: its directory.
+    :param manifest: its ``hookloop.json``, as read (once) and verified;
+        None for a folder of ``accelerator.save_state``.
+
+    Return value ignored.
+
+    .. versionadded:: 0.4
+    """
+
+
+@hookspec
+def first_nonfinite_update(loop: LoopLike, after: int) -> tuple[int, str, str] | None:
+    """Called when a checkpoint is refused because a network's state is not
+    finite, to say when it went bad: the built-in ``GradClip`` answers from
+    the gradient norms it keeps (no device sync per step). The earliest
+    answer is named in the refusal.
+
+    :param loop: the :class:`~hookloop.Loop`.
+    :param after: the update of the last finite checkpoint: look after it.
+    :return: ``(update, network, what)`` of the first update after ``after``
+        whose values a plugin saw go NaN or infinite, or None.
+
+    .. versionadded:: 0.4
     """
 
 

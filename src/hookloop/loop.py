@@ -512,25 +512,25 @@ class Loop:
             or ``{"epoch": e, "step_in_epoch": batches}``.
         :return: the checkpoint directory, or None (``"latest"``, none saved).
         """
-        root = checkpointing.checkpoint_root(self)
+        roots = checkpointing.checkpoint_roots(self)
         if path == "best":
             path = checkpointing.best_checkpoint_path(self)
-        found, staged = checkpointing.find(path, root)
+        found, staged = checkpointing.find(path, roots)
         if found is None:
-            self.print(f"hookloop: no checkpoint in {root} yet: starting from scratch")
+            self.print(f"hookloop: no checkpoint in {roots[0]} yet: starting from scratch")
             return None
         if weights_only:  # a new run from the weights: the loop's state, run id and plugins stay
             return checkpointing.load_weights(self, found, staged=staged)
+        trusted = list(trust_pickles) or None
         script = checkpointing.script_folder(found)  # a hand-written script's save_state
         if script is not None or position is not None:
             self._resume = checkpointing.load_script(self, script or found, position=position,
-                                                     strict=strict, trust_pickles=list(trust_pickles) or None)
-            found = self._resume.path
+                                                     strict=strict, trust_pickles=trusted)
         else:
-            self._resume = checkpointing.load(self, found, strict=strict, staged=staged,
-                                              trust_pickles=list(trust_pickles) or None)
-        self.resumed_from = found
-        return found
+            self._resume = checkpointing.load(self, found, strict=strict, staged=staged, trust_pickles=trusted)
+        self.resumed_from = self._resume.path
+        self.hook.after_load_checkpoint(loop=self, checkpoint=self.resumed_from, manifest=self._resume.manifest)
+        return self.resumed_from
 
     # -- evaluation and prediction -------------------------------------------
 

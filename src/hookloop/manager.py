@@ -156,6 +156,12 @@ class PluginManager:
                 warn_broken(item)
             elif autoload_decision(item, block)[0]:
                 auto.append((item.instantiate(), item.name, item.describe()))
+        # a plugin may bring the built-ins it works with (``hookloop_plugins``,
+        # as pytest's ``pytest_plugins``): defaults, unless given or blocked
+        brought = {name: builtins[name] for p, *_ in [*named, *auto]
+                   for name in getattr(p, "hookloop_plugins", ()) if name in builtins}
+        defaults = [*defaults, *(cls() for name, cls in brought.items()
+                                 if name not in user_names and name not in {plugin_name(d) for d in defaults})]
         builtin = [(p, plugin_name(p), "built-in") for p in [strategy, *defaults]]
         builtin = [b for b in builtin if b[1] not in user_names or b[0] is strategy]
         for plugin, name, source in [*builtin, *reversed(auto), *reversed(named)]:

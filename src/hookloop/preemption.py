@@ -20,6 +20,8 @@ import os
 import signal
 import threading
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -94,7 +96,7 @@ class SignalWatcher:
     then stops at its next safe point.
     """
 
-    def __init__(self, signals=DEFAULT_SIGNALS):
+    def __init__(self, signals: Any = DEFAULT_SIGNALS) -> None:
         self.signals = tuple(
             getattr(signal, s) if isinstance(s, str) else signal.Signals(s) for s in signals
         )
@@ -102,7 +104,7 @@ class SignalWatcher:
         self.received: int | None = None
         #: called with the signal number from the handler, when set (outside
         #: a fit); None: only record it, for a safe point to act on
-        self.immediate = None
+        self.immediate: Callable[[int], None] | None = None
         self._installed = False
         self._group = _UNSET  # the CPU process group the flag is reduced on
 

@@ -110,6 +110,8 @@ class Resume:
     rng: dict[str, Any]
     generators: dict[str, torch.Tensor] | None = None
     path: Path | None = None
+    #: the manifest of the checkpoint it continues, as read (None: a script's folder)
+    manifest: dict[str, Any] | None = None
 
     def restore_now(self, data: Any) -> None:
         """Put the RNG where the run stopped (at an epoch boundary)."""

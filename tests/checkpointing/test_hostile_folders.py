@@ -293,6 +293,19 @@ def test_latest_naming_a_temporary_folder_falls_back_to_the_newest_checkpoint(ro
     assert loop.resumed_from == root / "step-00000004"
 
 
+def test_latest_naming_a_temporary_folder_never_stops_the_fit_that_resumed(root):
+    # 0.3: the rotation at fit start read latest again and raised NotACheckpointName
+    name = ".tmp-step-00000006-deadbeef-1"
+    shutil.copytree(root / "step-00000004", root / name)  # what a save killed before its rename left
+    (root / "latest").write_text(name + "\n")
+    with pytest.warns(RuntimeWarning, match=rf"latest' names '{name}'.*not followed"):
+        loop = make(root, resume_from="latest", keep_last=1)
+    loop.fit(max_steps=6)
+    assert loop.resumed_from == root / "step-00000004"
+    assert (root / "latest").read_text().strip() == "step-00000006"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000006"]  # cleaned, rotated
+
+
 def test_latest_names_what_the_saving_code_writes_a_generation_too(root):
     # a save of the position latest names takes the next generation: step-00000004.1
     shutil.copytree(root / "step-00000004", root / "step-00000004.1")

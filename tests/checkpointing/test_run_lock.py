@@ -280,6 +280,34 @@ def test_the_process_holding_the_lock_may_resume_its_own_run(tmp_path):
 # -- run folders and temporary folders ----------------------------------------------------
 
 
+@pytest.mark.parametrize("resume_from", ["latest", None])
+def test_a_run_killed_in_its_first_save_is_continued_in_its_folder_and_cleaned(tmp_path, monkeypatch,
+                                                                               resume_from):
+    # 0.3: the same command started version_1; version_0 kept the partial save and the lock
+    monkeypatch.chdir(tmp_path)  # Checkpoint() without dir: ./checkpoints/version_<N>
+    folder = tmp_path / "checkpoints" / "version_0"
+    partial = folder / ".tmp-step-00000002-deadbeef-4242"
+    partial.mkdir(parents=True)
+    (partial / "model.safetensors").write_bytes(b"\0" * 4096)  # killed while writing
+    write_lock(folder, dead_pid(), run_id="deadbeef" * 4)
+    reset_accelerate()
+    with pytest.warns(RuntimeWarning, match="stale run lock"):
+        loop = tiny_loop([Checkpoint(every_steps=2, signals=None)], resume_from=resume_from)
+        loop.fit(max_steps=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["version_0"]
+    assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-00000002"]
+    assert checkpointing.read_manifest(folder / "step-00000002")["run_id"] == loop.state.run.id
+
+
+def test_a_run_folder_held_by_a_live_run_is_never_taken_for_a_fresh_run(tmp_path, monkeypatch, sleeper):
+    monkeypatch.chdir(tmp_path)
+    write_lock(tmp_path / "checkpoints" / "version_0", sleeper.pid)  # training its first epoch
+    reset_accelerate()
+    tiny_loop([Checkpoint(every_steps=2, signals=None)]).fit(max_steps=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["version_0", "version_1"]
+    assert (tmp_path / "checkpoints" / "version_1" / "latest").exists()
+
+
 def test_a_run_folder_taken_meanwhile_gives_the_next_one(tmp_path, monkeypatch):
     from hookloop.checkpointing import layout
 
@@ -337,9 +365,12 @@ def test_clean_removes_dead_leftovers_and_leaves_a_live_save_alone(tmp_path):
     (root / ".trash-step-00000001-1").mkdir()
     live = root / ".tmp-step-00000004-0123abcd-2"
     live.mkdir()
-    with layout.live_save(live):
+    layout.mark_live(live)  # (a save of this process in progress)
+    try:
         layout.clean(root)
         assert sorted(p.name for p in root.iterdir()) == [live.name]
+    finally:
+        layout.mark_live(live, False)
     layout.clean(root)
     assert list(root.iterdir()) == []
 

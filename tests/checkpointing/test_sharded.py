@@ -92,7 +92,9 @@ def test_forced_fsdp2_trains_clips_evaluates_predicts_and_resumes_bitwise(forced
     ref, run = forced_fsdp2_reference
     assert run["distributed_type"] == "DistributedType.FSDP" and run["num_processes"] == 2
     assert run["model_class"] == "FSDPSequential"  # prepared by Accelerate's fully_shard
-    assert run["norms"] == ["DTensor"] * 3  # GradClip: accelerator.clip_grad_norm_, a DTensor norm
+    # GradClip: accelerator.clip_grad_norm_, a DTensor norm (Accelerate 1.16's DTensor-aware
+    # clipping returns it whole: a plain tensor)
+    assert run["norms"] in (["DTensor"] * 3, ["Tensor"] * 3)
     assert run["predict_shape"] == [24, 3] and run["predict_max_error"] < 1e-5
     assert abs(run["eval"]["eval_loss"] - run["eval_reference_loss"]) < 1e-5
 

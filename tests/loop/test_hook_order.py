@@ -98,12 +98,16 @@ for _hook in hook_names():
     setattr(Tagger, _hook, _tagging_method(_hook))
 
 
-def test_plugins_run_in_the_order_given_in_every_hook():
+def test_plugins_run_in_the_order_given_in_every_hook(tmp_path):
+    from hookloop.plugins import Checkpoint
+
     log = []
     a, b = Tagger("A", log), Tagger("B", log)
-    tiny_loop([a, b], n=16, eval_data=True).fit(epochs=1)
+    tiny_loop([a, b, Checkpoint(dir=tmp_path, signals=None)], n=16, eval_data=True).fit(epochs=1)
     called = {hook for hook, _ in log}
-    assert called == set(hook_names()) - {"on_exception", "on_loop_end"}  # (no close())
+    # (no close(), no resume, no refused save)
+    assert called == set(hook_names()) - {"on_exception", "on_loop_end", "after_load_checkpoint",
+                                          "first_nonfinite_update"}
     for hook in called:
         tags = [tag for h, tag in log if h == hook]
         assert tags == ["A", "B"] * (len(tags) // 2), hook

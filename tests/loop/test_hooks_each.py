@@ -11,13 +11,25 @@ from hookloop.testing import HookRecorder, tiny_loop
 
 
 @pytest.fixture(scope="module")
-def recorded():
+def recorded(tmp_path_factory):
+    import torch
+
+    from hookloop import checkpointing
+    from hookloop.plugins import Checkpoint, GradClip
     from hookloop.testing import reset_accelerate
 
     reset_accelerate()
     recorder = HookRecorder()
-    loop = tiny_loop([recorder], n=16, eval_data=True)
+    root = tmp_path_factory.mktemp("checkpoints")
+    loop = tiny_loop([recorder, Checkpoint(dir=root, signals=None), GradClip(max_norm=1.0)], n=16,
+                     eval_data=True)
     loop.fit(epochs=1)
+    reset_accelerate()
+    resumed = tiny_loop([recorder, Checkpoint(dir=root, signals=None)], n=16, resume_from="latest")
+    with torch.no_grad():
+        next(resumed.networks["model"].model.parameters()).fill_(float("nan"))
+    with pytest.raises(checkpointing.NonFiniteCheckpoint):  # asks when it went bad
+        checkpointing.save(resumed, root, reason="test")
 
     class Boom:
         from hookloop import hookimpl

@@ -81,6 +81,16 @@ def pause_here(out, rank, what, until=None):
     sys.exit(f"resumable.py: nobody came to kill the paused run ({what})")
 
 
+_LOOPS = []
+
+
+def signalled(loop) -> bool:
+    """Whether the preemption plugin of the run recorded a signal."""
+    loop = loop or (_LOOPS[0] if _LOOPS else None)
+    watcher = loop.plugins.get("preemption").watcher if loop is not None else None
+    return watcher is not None and watcher.received is not None
+
+
 class Pauser:
     """Holds the run at the point --pause names."""
 
@@ -97,8 +107,7 @@ class Pauser:
         if self.kind == "signal" and loop.state.micro_step + 1 == int(self.args[0]):
             if network.name == next(iter(loop.networks)):
                 rank = loop.accelerator.process_index
-                pause_here(self.out, rank, "signal",
-                           until=lambda: self.checkpoint.watcher.received is not None)
+                pause_here(self.out, rank, "signal", until=lambda: signalled(loop))
 
     @hookimpl(wrapper=True)
     def eval_step(self, loop):
@@ -242,7 +251,7 @@ def main(argv=None):
                             keep_last=3, signal_check_every=args.signal_check_every)
     if args.pause.startswith(("save:", "savesignal:")):
         kind, stage, step = args.pause.split(":")
-        until = (lambda: checkpoint.watcher.received is not None) if kind == "savesignal" else None
+        until = (lambda: signalled(None)) if kind == "savesignal" else None
         pause_in_save(stage, int(step), args.out, rank, until=until)
     if args.pause == "load":
         from hookloop import checkpointing
@@ -258,6 +267,7 @@ def main(argv=None):
     where, loop, start = "start-up", None, None
     try:
         loop = build(args, accelerator, plugins)
+        _LOOPS.append(loop)
         start, where = loop.state.global_step, "fit"
         loop.fit(epochs=args.epochs)
         if args.predict:

@@ -1,9 +1,10 @@
-"""Everything that knows Accelerate's side of a checkpoint, in one place:
-the names of the files ``accelerator.save_state`` writes, the accelerator's
+"""Everything that knows Accelerate's side of a checkpoint, in one place: the
+names of the files ``accelerator.save_state`` writes, the accelerator's
 private lists of prepared objects (``_models``, ``_optimizers``,
-``_schedulers``, ``_custom_objects``, ``_dataloaders``), the process state,
-reading its files the safe way (``weights_only=True``, safetensors), and
-putting staged states into its objects as ``accelerator.load_state`` would.
+``_schedulers``, ``_custom_objects``, ``_dataloaders``) and hooks, its
+process state, writing its files as ``save_state`` does, reading them the
+safe way (``weights_only=True``, safetensors), and putting states into its
+objects as ``accelerator.load_state`` does.
 
 When Accelerate changes, this is the module to read again.
 """
@@ -13,17 +14,22 @@ from __future__ import annotations
 import contextlib
 import random
 import re
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 import torch
 from accelerate.utils import OPTIMIZER_NAME, RNG_STATE_NAME, SAFE_WEIGHTS_NAME, SCHEDULER_NAME
 
+from . import safe_read
 from .errors import CheckpointError, first_line
 
 SCALER_FILE = "scaler.pt"
 #: Accelerate's data loader files: a seedable sampler, a stateful loader's state
 LOADER_FILE = re.compile(r"^(sampler|dl_state_dict)(_\d+)?\.bin$")
+#: Accelerate's distributed types whose ``save_state`` writes the plain format
+PLAIN_TYPES = {"NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
+               "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON"}
 
 
 # -- file names ----------------------------------------------------------------------
@@ -51,14 +57,6 @@ def scheduler_file(i: int) -> str:
     return _numbered(SCHEDULER_NAME, "bin", i)
 
 
-def sampler_file(i: int) -> str:
-    return _numbered("sampler", "bin", i)
-
-
-def loader_state_file(i: int) -> str:
-    return _numbered("dl_state_dict", "bin", i)
-
-
 def custom_file(i: int) -> str:
     """The state of the i-th object given to ``register_for_checkpointing``."""
     return f"custom_checkpoint_{i}.pkl"
@@ -71,7 +69,8 @@ def rng_file(rank: int) -> str:
 
 def written_by_save_state(path) -> bool:
     """Whether a directory looks written by ``accelerator.save_state``."""
-    return (path / SAFE_WEIGHTS_NAME).exists() or (path / rng_file(0)).exists()
+    return any((path / name).is_file() for name in (model_file(0), legacy_model_file(0),
+                                                    optimizer_file(0), rng_file(0)))
 
 
 # -- the accelerator's prepared objects, and the process state ----------------------------
@@ -93,6 +92,11 @@ def custom_objects(acc) -> list:
     return acc._custom_objects
 
 
+def kind(acc) -> str:
+    """Accelerate's distributed type, by name (``"NO"``, ``"FSDP"`` ...)."""
+    return getattr(getattr(acc, "distributed_type", None), "name", "")
+
+
 def process_index() -> int:
     """This process's rank, from Accelerate's process state (0 without one)."""
     from accelerate.state import PartialState
@@ -107,61 +111,23 @@ def process_count() -> int:
     return PartialState._shared_state.get("num_processes", 1)
 
 
-def _index(objects, obj):
+def index_of(objects, obj) -> int | None:
     return next((i for i, o in enumerate(objects) if o is obj), None)
 
 
 def scheduler_objects(acc) -> list:
     """The schedulers ``save_state`` writes as ``scheduler*.bin``, in order
     (under DeepSpeed not those its engine saves, as Accelerate filters them)."""
-    kind = getattr(acc.distributed_type, "name", "")
-    if kind == "MEGATRON_LM":
+    if kind(acc) == "MEGATRON_LM":
         return []
-    if kind == "DEEPSPEED":
+    if kind(acc) == "DEEPSPEED":
         return [s for s in acc._schedulers if type(s).__name__ != "DeepSpeedSchedulerWrapper"]
     return acc._schedulers
 
 
-def describe_networks(loop, files=None, unprepared=None) -> dict:
-    """Which of Accelerate's files holds each network's model, optimizer and
-    scheduler. ``files(part, i)``: the name of the i-th prepared part's file
-    (default: the plain format's); ``unprepared(name, net, part)``: the entry
-    of a part Accelerate did not prepare, or None (refused)."""
-    acc = loop.accelerator
-    out = {}
-    names = {"model": model_file, "optimizer": optimizer_file, "scheduler": scheduler_file}
-    for name, net in loop.networks.items():
-        entry: dict[str, Any] = {}
-        for part, objects in (("model", acc._models), ("optimizer", acc._optimizers),
-                              ("scheduler", scheduler_objects(acc))):
-            obj = getattr(net, part)
-            if obj is None:
-                entry[part] = None
-                continue
-            i = _index(objects, obj)
-            if i is None and part == "model":  # Accelerate keeps DDP's inner module
-                i = _index(objects, net.unwrapped)
-            if i is None and unprepared is not None and (own := unprepared(name, net, part)):
-                entry[part] = own
-                continue
-            if i is None:
-                raise CheckpointError(
-                    f"network {name!r}: its {part} was not prepared by loop.accelerator, so "
-                    "accelerator.save_state would not save it. Let the Loop prepare it "
-                    "(prepare=True), or prepare it with the same accelerator."
-                )
-            entry[part] = files(part, i) if files is not None else names[part](i)
-        out[name] = entry
-    return out
-
-
-def accelerate_counts(acc) -> dict:
-    return {
-        "models": len(acc._models),
-        "optimizers": len(acc._optimizers),
-        "schedulers": len(acc._schedulers),
-        "custom_objects": len(acc._custom_objects),
-    }
+def counts(acc) -> dict:
+    return {"models": len(acc._models), "optimizers": len(acc._optimizers),
+            "schedulers": len(acc._schedulers), "custom_objects": len(acc._custom_objects)}
 
 
 def class_name(obj) -> str:
@@ -169,13 +135,9 @@ def class_name(obj) -> str:
     from accelerate.optimizer import AcceleratedOptimizer
     from accelerate.scheduler import AcceleratedScheduler
 
-    inner = None
-    if isinstance(obj, AcceleratedOptimizer):
-        inner = obj.optimizer
-    elif isinstance(obj, AcceleratedScheduler):
-        inner = obj.scheduler
-    cls = type(inner if inner is not None else obj)
-    return f"{cls.__module__}.{cls.__qualname__}"
+    inner = obj.optimizer if isinstance(obj, AcceleratedOptimizer) else \
+        obj.scheduler if isinstance(obj, AcceleratedScheduler) else obj
+    return f"{type(inner).__module__}.{type(inner).__qualname__}"
 
 
 @contextlib.contextmanager
@@ -183,94 +145,158 @@ def manual_naming(acc):
     """``save_state(dir)`` writes elsewhere when automatic naming is on: off
     for this call."""
     config = acc.project_configuration
-    automatic = config.automatic_checkpoint_naming
-    config.automatic_checkpoint_naming = False
+    automatic, config.automatic_checkpoint_naming = config.automatic_checkpoint_naming, False
     try:
         yield
     finally:
         config.automatic_checkpoint_naming = automatic
 
 
+# -- writing, as save_state does ------------------------------------------------------------
+
+
+def save_state(acc, folder) -> None:
+    """``accelerator.save_state(folder)`` itself (the sharded formats)."""
+    with manual_naming(acc):
+        acc.save_state(str(folder))
+
+
+def heavy_states(acc, folder) -> list:
+    """What ``save_state`` writes of the models and optimizers, not written
+    yet: ``[rel, kind, state, metadata]`` of this process's share (the main
+    process's, as Accelerate's ``save``), after the
+    ``register_save_state_pre_hook`` hooks saw the weights."""
+    from accelerate.state import PartialState
+    from accelerate.utils.other import clean_state_dict_for_safetensors
+
+    weights = [acc.get_state_dict(model, unwrap=False) for model in acc._models]
+    for hook in acc._save_model_state_pre_hook.values():
+        hook(acc._models, weights, str(folder))
+    state = PartialState()
+    if not (state.is_local_main_process if acc.project_configuration.save_on_each_node else state.is_main_process):
+        return []
+    out = []
+    for i, weight in enumerate(weights):
+        if isinstance(weight, OrderedDict):  # as accelerate.utils.save does
+            weight = clean_state_dict_for_safetensors(weight)
+        out.append([model_file(i), "safetensors", weight, {"format": "pt"}])
+    return out + [[optimizer_file(i), "torch", o.state_dict(), None] for i, o in enumerate(acc._optimizers)]
+
+
+def save_small_files(acc, folder) -> None:
+    """The rest of ``save_state``, byte for byte its files: schedulers,
+    samplers and loader states, the scaler, this process's random states,
+    the registered objects; and the save counted in
+    ``project_configuration.iteration``."""
+    from accelerate.checkpointing import save_accelerator_state, save_custom_state
+    from accelerate.state import PartialState
+
+    each_node = acc.project_configuration.save_on_each_node
+    save_accelerator_state(str(folder), [], [], scheduler_objects(acc), acc._dataloaders,
+                           PartialState().process_index, acc.step, acc.scaler,
+                           save_on_each_node=each_node, safe_serialization=True)
+    for i, obj in enumerate(acc._custom_objects):
+        save_custom_state(obj, str(folder), i, save_on_each_node=each_node)
+    acc.project_configuration.iteration += 1
+
+
 # -- reading Accelerate's files --------------------------------------------------------
 
 
 def torch_load(source, rel: str, where: str, what: str):
-    """``torch.load(weights_only=True)`` of a verified file (or its bytes), as
-    Accelerate reads its files (numpy's RNG types allowed). The error never
-    suggests ``weights_only=False``."""
+    """``torch.load(weights_only=True)`` of an opened file (its descriptor,
+    not opened again) or of bytes, as Accelerate reads its files (numpy's
+    RNG types allowed). The error never suggests ``weights_only=False``."""
     import io
 
     from accelerate.utils import load as accelerate_load
 
     try:
-        return accelerate_load(io.BytesIO(source) if isinstance(source, bytes) else str(source),
-                               map_location="cpu")
+        if isinstance(source, bytes):
+            return accelerate_load(io.BytesIO(source), map_location="cpu")
+        with source.reader() as f:
+            return accelerate_load(f, map_location="cpu")
     except Exception as exc:  # noqa: BLE001
         text = str(exc)
         if "weights_only" in text or "Unpickl" in type(exc).__name__ or "Weights only" in text:
             found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
             detail = f": it refers to {found.group(1)}" if found else ""
-            problem = ("it is corrupt, or it holds objects other than tensors and plain data, "
-                       f"which hookloop never unpickles{detail}")
-            raise CheckpointError(f"{where}: cannot read {what} from {rel}: {problem}") from None
+            raise CheckpointError(f"{where}: cannot read {what} from {rel}: it is corrupt, or it "
+                                  "holds objects other than tensors and plain data, which hookloop "
+                                  f"never unpickles{detail}") from None
         raise CheckpointError(f"{where}: cannot read {what} from {rel}: it is corrupt "
                               f"({type(exc).__name__}: {first_line(exc)})") from None
 
 
-def safetensors_load(source, rel: str, where: str, what: str) -> dict:
-    from safetensors.torch import load as load_bytes
-    from safetensors.torch import load_file
+_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+           "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
+           "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+           "C64": "complex64"}
 
+
+def safetensors_header(opened: safe_read.Opened) -> tuple[dict, int]:
+    """The header of a safetensors file, parsed with a size and depth limit,
+    and where its data starts; :class:`CheckpointError` if it is not one."""
+    head = opened.read_at(0, 8)
+    if len(head) < 8:
+        raise CheckpointError(f"{opened.size} bytes, too short for a safetensors header")
+    length = int.from_bytes(head, "little")
+    if length > min(safe_read.HEADER_LIMIT, opened.size - 8):
+        raise CheckpointError(f"its header claims {length} bytes, the file has {opened.size}")
+    header = safe_read.loads_json(opened.read_at(8, length), opened.file)
+    bad = CheckpointError("its header is not a safetensors header")
+    if not isinstance(header, dict):
+        raise bad
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        shape, offsets = (entry.get("shape"), entry.get("data_offsets")) if isinstance(entry, dict) else (None, None)
+        if not (isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape + offsets)
+                and entry.get("dtype") in _DTYPES and offsets[0] <= offsets[1] <= opened.size - 8 - length):
+            raise bad
+    return header, 8 + length
+
+
+def safetensors_load(opened: safe_read.Opened, rel: str, where: str, what: str) -> dict:
+    """The tensors of a safetensors file, read from its open descriptor's
+    memory map (the pages are read when first touched: by the checks, then
+    by ``load_state_dict``)."""
     try:
-        return load_bytes(source) if isinstance(source, bytes) else load_file(str(source))
-    except Exception as exc:  # noqa: BLE001 - SafetensorError and friends
-        raise CheckpointError(f"{where}: cannot read {what} from {rel}: it is corrupt "
-                              f"({type(exc).__name__}: {first_line(exc)})") from None
+        header, base = safetensors_header(opened)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{where}: cannot read {what} from {rel}: it is corrupt ({exc})") from None
+    mapped = opened.mmap()
+    out = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        dtype = getattr(torch, _DTYPES[entry["dtype"]])
+        start, end = (base + n for n in entry["data_offsets"])
+        numel = int(np.prod(entry["shape"], dtype=np.int64))
+        if (end - start) != numel * dtype.itemsize:
+            raise CheckpointError(f"{where}: cannot read {what} from {rel}: it is corrupt (tensor "
+                                  f"{key!r} has {end - start} bytes for shape {entry['shape']})")
+        if numel == 0:
+            out[key] = torch.empty(entry["shape"], dtype=dtype)
+        elif start % dtype.itemsize:  # unaligned (an old writer): a copy
+            out[key] = torch.frombuffer(bytearray(mapped[start:end]), dtype=dtype).reshape(entry["shape"])
+        else:
+            out[key] = torch.frombuffer(mapped, dtype=dtype, count=numel, offset=start).reshape(entry["shape"])
+    return out
 
 
-# -- committing staged states, as accelerator.load_state does ----------------------------
+# -- putting states into Accelerate's objects, as load_state does -------------------------
 
 
-def commit(loop, staged, custom: list, where: str, networks=None) -> None:
-    """Put the staged states (a :class:`~.staging.Staged`) into the loop's
-    objects, as ``accelerator.load_state`` does (same objects, same order,
-    same values). ``networks(apply)``: restores the models and optimizers
-    of a sharded format instead (:func:`~.formats.commit`)."""
-    acc = loop.accelerator
-    path = staged.path
-
-    def apply(what, rel, fn):
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - checked before; name the file if it still fails
-            raise CheckpointError(f"{where}: restoring {what} from {rel} failed after it was "
-                                  f"checked: {type(exc).__name__}: {exc}") from exc
-
+def before_load(acc, path, with_models: bool) -> None:
+    """The ``register_load_state_pre_hook`` hooks (given the models when
+    they are loaded here, as ``load_state`` gives them)."""
     for hook in acc._load_model_state_pre_hook.values():
-        hook(list(acc._models) if networks is None else [], str(path))
-    if networks is not None:  # a sharded format's own loaders, on files verified before
-        networks(apply)
-    for i, model in enumerate(acc._models if networks is None else ()):
-        apply(f"the weights of accelerator model #{i}", model_file(i),
-              lambda m=model, s=staged.models[i]: _load_model_state(m, s))
-    for i, opt in enumerate(acc._optimizers if networks is None else ()):
-        apply("an optimizer state", optimizer_file(i),
-              lambda o=opt, s=staged.optimizers[i]: o.load_state_dict(s))
-    for i, scheduler in enumerate(scheduler_objects(acc)):
-        apply("a scheduler state", scheduler_file(i),
-              lambda o=scheduler, s=staged.schedulers[i]: o.load_state_dict(s))
-    _commit_dataloaders(acc, staged, where)
-    if acc.scaler is not None and staged.scaler is not None:
-        apply("the gradient scaler state", SCALER_FILE, lambda: acc.scaler.load_state_dict(staged.scaler))
-    for i, (obj, state) in enumerate(zip(acc._custom_objects, custom)):
-        apply(f"registered object #{i}", custom_file(i), lambda o=obj, s=state: o.load_state_dict(s))
-    source = staged.process_index if staged.source_rank is None else staged.source_rank
-    derive = None if source == staged.process_index else staged.process_index
-    apply(f"the random states of process {staged.process_index}", rng_file(source),
-          lambda: _restore_rng(acc, staged.rng, derive_for=derive))
+        hook(list(acc._models) if with_models else [], str(path))
 
 
-def _load_model_state(model, state: dict) -> None:
+def load_model_state(model, state: dict) -> None:
     """``safetensors.torch.load_model`` from a state dict in memory (tied
     weights are stored once)."""
     from safetensors.torch import _remove_duplicate_names
@@ -288,28 +314,46 @@ def _load_model_state(model, state: dict) -> None:
         raise RuntimeError(f"missing keys {sorted(missing)}, unexpected keys {sorted(unexpected)}")
 
 
-def _commit_dataloaders(acc, staged, where: str) -> None:
-    """Accelerate's sampler / stateful-loader files, where Accelerate would load them."""
+def load_scaler(acc, state, lazy_init: bool = False) -> None:
+    acc.scaler.load_state_dict(state)
+    if lazy_init:  # FSDP2 loads it before the optimizer, as Accelerate does
+        acc.scaler._lazy_init_scale_growth_tracker(acc.scaler._device)
+
+
+def restore_rest(acc, staged, custom: list, apply) -> None:
+    """What ``load_state`` restores besides the models and optimizers:
+    schedulers, the data loaders' samplers and states, the scaler, the
+    registered objects (``custom``: their states) and the random states.
+    ``apply(what, rel, fn)`` names the file if ``fn`` fails."""
     from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
 
-    for i, dataloader in enumerate(acc._dataloaders):
-        sampler_rel = sampler_file(i)
-        if isinstance(getattr(dataloader, "dataset", None), IterableDatasetShard) and sampler_rel in staged.extra:
-            if isinstance(dataloader.get_sampler(), SeedableRandomSampler):
-                what = "a data loader's sampler"
-                dataloader.set_sampler(torch_load(staged.extra[sampler_rel], sampler_rel, where, what))
-        state_rel = loader_state_file(i)
-        if getattr(dataloader, "use_stateful_dataloader", False) and state_rel in staged.extra:
-            state = torch_load(staged.extra[state_rel], state_rel, where, "a data loader's state")
-            dataloader.load_state_dict(state)
+    for i, scheduler in enumerate(scheduler_objects(acc)):
+        apply("a scheduler state", scheduler_file(i),
+              lambda o=scheduler, s=staged.schedulers[i]: o.load_state_dict(s))
+    where = f"checkpoint {str(staged.path)!r}"
+    for i, loader in enumerate(acc._dataloaders):
+        rel = _numbered("sampler", "bin", i)
+        if (isinstance(getattr(loader, "dataset", None), IterableDatasetShard) and rel in staged.extra
+                and isinstance(loader.get_sampler(), SeedableRandomSampler)):
+            loader.set_sampler(torch_load(staged.extra[rel], rel, where, "a data loader's sampler"))
+        rel = _numbered("dl_state_dict", "bin", i)
+        if getattr(loader, "use_stateful_dataloader", False) and rel in staged.extra:
+            loader.load_state_dict(torch_load(staged.extra[rel], rel, where, "a data loader's state"))
+    if acc.scaler is not None and staged.scaler is not None:
+        apply("the gradient scaler state", SCALER_FILE, lambda: load_scaler(acc, staged.scaler))
+    for i, (obj, state) in enumerate(zip(acc._custom_objects, custom)):
+        apply(f"registered object #{i}", custom_file(i), lambda o=obj, s=state: o.load_state_dict(s))
+    source = staged.process_index if staged.source_rank is None else staged.source_rank
+    derive = None if source == staged.process_index else staged.process_index
+    apply(f"the random states of process {staged.process_index}", rng_file(source),
+          lambda: restore_rng(acc, staged.rng, derive_for=derive))
 
 
 def derived_seed(states: dict, rank: int) -> int:
     """The seed of a process that a checkpoint has no random states of (it
-    was written by fewer processes): a 63-bit number from the SHA-256 of
-    the saved rank 0's torch RNG state and ``rank``. The same on every
-    resume of that checkpoint, another for every rank, and unrelated to
-    the saved ranks' own states."""
+    was written by fewer processes): a 63-bit number from the SHA-256 of the
+    saved rank 0's torch RNG state and ``rank``. The same on every resume of
+    that checkpoint, another for every rank, unrelated to the saved ranks' own."""
     import hashlib
 
     digest = hashlib.sha256(b"hookloop: random states of rank %d from rank 0's\0" % rank)
@@ -317,11 +361,10 @@ def derived_seed(states: dict, rank: int) -> int:
     return int.from_bytes(digest.digest()[:8], "little") & ((1 << 63) - 1)
 
 
-def _restore_rng(acc, states: dict, derive_for: int | None = None) -> None:
+def restore_rng(acc, states: dict, derive_for: int | None = None) -> None:
     """What ``load_accelerator_state`` does with ``random_states_<rank>.pkl``.
     ``derive_for``: the rank of this process, which the checkpoint has no
-    states of (``states`` are rank 0's): python, numpy and torch (every
-    device) are seeded from :func:`derived_seed` instead."""
+    states of (``states`` are rank 0's): seeded from :func:`derived_seed`."""
     if "step" in states:
         acc.step = states["step"]
     if derive_for is not None:
@@ -342,3 +385,33 @@ def _restore_rng(acc, states: dict, derive_for: int | None = None) -> None:
         import torch_xla.core.xla_model as xm
 
         xm.set_rng_state(states["xm_seed"])
+
+
+def describe(loop, files, unprepared=None) -> dict:
+    """Which of Accelerate's files holds each network's model, optimizer and
+    scheduler: ``files(part, i)`` names the i-th prepared one's;
+    ``unprepared(name, net, part)`` the entry of one Accelerate did not
+    prepare, or None (refused)."""
+    acc, out = loop.accelerator, {}
+    for name, net in loop.networks.items():
+        entry: dict[str, Any] = {}
+        for part, objects in (("model", acc._models), ("optimizer", acc._optimizers),
+                              ("scheduler", scheduler_objects(acc))):
+            obj = getattr(net, part)
+            i = None if obj is None else index_of(objects, obj)
+            if obj is not None and i is None and part == "model":  # Accelerate keeps DDP's inner module
+                i = index_of(objects, net.unwrapped)
+            if obj is None:
+                entry[part] = None
+            elif i is not None:
+                entry[part] = files(part, i)
+            elif unprepared is not None and (own := unprepared(name, net, part)):
+                entry[part] = own
+            else:
+                raise CheckpointError(
+                    f"network {name!r}: its {part} was not prepared by loop.accelerator, so "
+                    "accelerator.save_state would not save it. Let the Loop prepare it "
+                    "(prepare=True), or prepare it with the same accelerator."
+                )
+        out[name] = entry
+    return out

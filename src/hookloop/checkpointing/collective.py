@@ -67,8 +67,3 @@ def every_rank(acc=None, *, catch=(CheckpointError,), describe=None, raise_error
     except catch as exc:
         error = exc if describe is None else describe(exc)
     outcome.error = agree(error, acc, raise_error=raise_error)
-
-
-def _all_ok(acc, error) -> None:
-    """hookloop 0.2's name for :func:`agree` (``error`` on ``acc``'s ranks)."""
-    agree(error, acc)

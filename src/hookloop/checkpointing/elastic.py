@@ -29,10 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..rng import translate_epoch, translate_generators
-from .codec import parse_rank_file
-from .errors import CheckpointError, first_line
-from .layout import RANK_FILE
-from .manifest import verified
+from .errors import CheckpointError
 
 #: what each recorded run setting decides (shown when a resume differs)
 SETTINGS = {
@@ -58,7 +55,8 @@ CUT = ("num_processes", "batch_size", "gradient_accumulation_steps", "batches_pe
        "examples_per_batch", "global_batch_size", "examples_in_epoch", "sampler_generator",
        "loader_generator")
 
-_SHARDED = ("FSDP", "DEEPSPEED", "MEGATRON_LM")
+#: Accelerate's sharded distributed types (their position maps onto no other number of processes)
+SHARDED = ("FSDP", "DEEPSPEED", "MEGATRON_LM")
 
 
 @dataclass
@@ -157,7 +155,7 @@ def plan(loop, path, doc: dict, now: dict, strict: bool) -> Plan:
     elif p_saved != p_now and getattr(loop.train_data, "use_stateful_dataloader", False):
         unmappable = ("its train_data is a stateful loader (use_stateful_dataloader), whose saved state "
                       "is one process's position in its own shard")
-    elif p_saved != p_now and getattr(getattr(acc, "distributed_type", None), "name", "") in _SHARDED:
+    elif p_saved != p_now and getattr(getattr(acc, "distributed_type", None), "name", "") in SHARDED:
         unmappable = f"it is a sharded ({acc.distributed_type.name}) checkpoint"
     if unmappable is not None:
         if p_saved != p_now:
@@ -283,27 +281,15 @@ def _settings_differ(result: Plan, differ: list, where: str, path, strict: bool)
 # -- at load: the per-process parts, the schedulers, the epoch's random states ---------
 
 
-def rank_parts(path, doc: dict, staged, plan: Plan, where: str) -> dict:
-    """``{saved rank: (epoch_start, generators, logged)}`` of the rank files
-    this process needs on another number of processes: rank 0's (whose
-    epoch start drew the shuffle every rank drew, and whose data generators
-    every rank had) and those of the saved ranks whose ``loop.log`` values
-    it takes over (rank ``r`` of ``P'`` takes ``r, r + P', r + 2P' ...``)."""
+def needed_ranks(staged, plan: Plan) -> list[int]:
+    """The saved ranks whose rank files this process needs on another number
+    of processes, besides its own: rank 0's (whose epoch start drew the
+    shuffle every rank drew, and whose data generators every rank had) and
+    those whose ``loop.log`` values it takes over (rank ``r`` of ``P'`` takes
+    ``r, r + P', r + 2P' ...``)."""
     saved, now = plan.processes
-    rank = staged.process_index
     mine = staged.process_index if staged.source_rank is None else staged.source_rank
-    parts = {mine: (staged.epoch_start, staged.generators, staged.logged)}
-    for r in sorted({0, *range(rank, saved, now)} - set(parts)):
-        rel = RANK_FILE.format(rank=r)
-        what = f"the data position of process {r}"
-        with verified(path, rel, doc, where, what) as opened:
-            data = opened.read()
-        try:
-            parts[r] = parse_rank_file(data)
-        except Exception as exc:  # noqa: BLE001 - garbled in any way
-            raise CheckpointError(f"{where}: cannot read {what} from {rel}: {type(exc).__name__}: "
-                                  f"{first_line(exc)}") from exc
-    return parts
+    return sorted({0, *range(staged.process_index, saved, now)} - {mine})
 
 
 def merged_logged(parts: dict, rank: int, plan: Plan) -> dict:

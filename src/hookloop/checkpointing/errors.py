@@ -8,6 +8,12 @@ class CheckpointError(ValueError):
     directory and the culprit (a file, a network's tensor, a plugin)."""
 
 
+class NotACheckpointName(CheckpointError):
+    """``latest`` holds a plain name that is not a checkpoint's: a temporary
+    folder (``.tmp-...``), a deleted one (``.trash-...``) or anything else.
+    ``resume_from="latest"`` then falls back to the newest usable checkpoint."""
+
+
 class NonFiniteCheckpoint(CheckpointError):
     """A save was refused: a network's parameter or optimizer state holds a
     NaN or an infinity. Nothing was written; ``latest`` still names the last

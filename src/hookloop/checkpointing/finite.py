@@ -5,14 +5,13 @@ is loaded. :func:`first_nonfinite` is the one fast check both sides use.
 from __future__ import annotations
 
 from collections.abc import Sequence
-import contextlib
 from pathlib import Path
 
 import torch
 
 from . import accelerate as accel
 from .errors import CheckpointError, NonFiniteCheckpoint
-from .layout import LATEST, read_latest
+from .layout import LATEST, read_latest_quietly
 from .manifest import peek
 
 
@@ -87,15 +86,10 @@ def state_tensors(loop):
 
 def first_nonfinite_update(loop, after: int = 0):
     """``(update, network, what)``: the first update after ``after`` that a
-    plugin saw go non-finite (``GradClip`` records each update whose gradient
-    norm was NaN or infinite, keeping the norm as a tensor: no sync), or None."""
-    found = []
-    for _, plugin in loop.plugins.pm.list_name_plugin():
-        ask = getattr(plugin, "first_nonfinite_update", None)
-        if callable(ask):
-            record = ask(after=after)
-            if record is not None:
-                found.append(tuple(record))
+    plugin saw go non-finite (the ``first_nonfinite_update`` hook:
+    ``GradClip`` records each update whose gradient norm was NaN or
+    infinite, keeping the norm as a tensor: no sync), or None."""
+    found = [tuple(r) for r in loop.hook.first_nonfinite_update(loop=loop, after=after) if r is not None]
     return min(found, default=None)
 
 
@@ -116,9 +110,7 @@ def refusal(loop, root: Path, name: str, step: int, network: str, what: str, val
     """The :class:`NonFiniteCheckpoint` refusing checkpoint ``name``: network
     ``network``'s ``what`` holds ``value``; when it first went bad (from the
     plugins' records) and the last finite checkpoint ``latest`` names."""
-    latest = None
-    with contextlib.suppress(CheckpointError):
-        latest = read_latest(root)
+    latest = read_latest_quietly(root)
     last_ok = ((peek(root / latest) or {}).get("loop") or {}).get("global_step", 0) if latest else 0
     first = first_nonfinite_update(loop, after=last_ok)
     if first is not None:

@@ -1,8 +1,7 @@
 """Names and places: what the files and directories of a checkpoint root
-are called, where the run folders are, and the ``latest`` pointer.
+are called, the ``latest`` pointer, the run folders, and cleaning a root.
 
-Nothing here reads a checkpoint's content (see :mod:`.manifest`; which run
-folder ``latest`` continues is :func:`.runs.newest_run`).
+Nothing here reads a checkpoint's content (:mod:`.manifest` does).
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from . import safe_read
-from .errors import CheckpointError
+from .errors import CheckpointError, NotACheckpointName
 
 FORMAT = "hookloop-checkpoint"
 #: 2: run id, checksums, run settings, finiteness, optimizer classes, and a
@@ -27,7 +26,6 @@ RANK_FILE = "hookloop-rank{rank}.safetensors"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
-#: the name of a regular checkpoint: ``step-<global_step>`` (``-epoch-end``)
 #: ``step-<update>[-epoch-end][.<generation>]``: a save of a position whose
 #: checkpoint ``latest`` names takes the next generation (never renamed over it)
 NAME_PATTERN = re.compile(r"^step-(\d+)(-epoch-end)?(?:\.(\d+))?$")
@@ -43,24 +41,15 @@ def checkpoint_name(global_step: int, epoch_end: bool = False) -> str:
 
 def sort_key(path: Path):
     """The order of checkpoints: by step, an epoch-end one after the
-    mid-epoch one of the same step (``path`` must match :data:`NAME_PATTERN`)."""
+    mid-epoch one of the same step, then by generation."""
     match = NAME_PATTERN.match(path.name)
     if match is None:
         raise ValueError(f"{path}: not a checkpoint's name (step-<N>[-epoch-end][.<n>])")
     return (int(match.group(1)), bool(match.group(2)), int(match.group(3) or 0))
 
 
-def _run_number(name: str) -> int:
-    """N of a run folder's name ``version_<N>`` (callers pass only such names)."""
-    match = _RUN.match(name)
-    if match is None:
-        raise ValueError(f"{name!r} is not a run folder's name (version_<N>)")
-    return int(match.group(1))
-
-
 def next_generation(path: Path) -> Path:
-    """The first free ``<name>.<n>`` next to checkpoint ``path`` (the base
-    name without a generation)."""
+    """The first free ``<name>.<n>`` next to checkpoint ``path``."""
     match = NAME_PATTERN.match(path.name)
     base = path.name if match is None or match.group(3) is None else path.name.rsplit(".", 1)[0]
     n = 1
@@ -70,33 +59,21 @@ def next_generation(path: Path) -> Path:
 
 
 def list_checkpoints(root) -> list[Path]:
-    """The checkpoint directories in ``root``, oldest first (by step, an
-    epoch-end one after the mid-epoch one of the same step). Not validated."""
+    """The checkpoint directories in ``root``, oldest first. Not validated."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if NAME_PATTERN.match(p.name) and p.is_dir()]
-    return sorted(found, key=sort_key)
-
-
-class NotACheckpointName(CheckpointError):
-    """``latest`` holds a plain name in its root that is not a checkpoint's
-    (:data:`NAME_PATTERN`): a temporary folder (``.tmp-...``), a deleted one
-    (``.trash-...``), or anything else. ``resume_from="latest"`` then falls
-    back to the newest usable checkpoint."""
+    return sorted((p for p in root.iterdir() if NAME_PATTERN.match(p.name) and p.is_dir()), key=sort_key)
 
 
 def read_latest(root) -> str | None:
     """The checkpoint name ``root/latest`` holds (None: no such file, or
-    empty). ``latest`` is read as every file of a checkpoint root is
-    (:func:`~.safe_read.open_checked`): a regular file inside ``root``, at
-    most :data:`~.safe_read.LATEST_LIMIT` bytes, never a FIFO or a device,
-    never a link out of the root; else a :class:`CheckpointError` naming it.
-    A name that is not one directory entry of ``root`` (an absolute path,
-    ``..``, a path with separators) or text that is not UTF-8 is a
-    :class:`CheckpointError`: ``latest`` is never followed outside its root.
-    A plain name that is not a checkpoint's (:data:`NAME_PATTERN`: a
-    ``.tmp-`` or ``.trash-`` folder ...) is a :class:`NotACheckpointName`."""
+    empty). Read as every file of a root is (:func:`~.safe_read.open_checked`);
+    a name that is not one entry of ``root`` (absolute, ``..``, separators)
+    or text that is not UTF-8 is a :class:`CheckpointError`: ``latest`` is
+    never followed outside its root. A plain name that is not a
+    checkpoint's (a ``.tmp-`` or ``.trash-`` folder ...) is a
+    :class:`NotACheckpointName`."""
     file = Path(root) / LATEST
     try:
         raw = safe_read.read_checked(file, root, limit=safe_read.LATEST_LIMIT,
@@ -138,6 +115,14 @@ def read_latest(root) -> str | None:
     return name
 
 
+def read_latest_quietly(root) -> str | None:
+    """``latest``'s checkpoint name, or None if it names none or cannot be read."""
+    try:
+        return read_latest(root)
+    except CheckpointError:
+        return None
+
+
 def write_latest(root: Path, name: str) -> None:
     """Point ``root/latest`` at ``name``: write, fsync, ``os.replace``."""
     tmp = root / f"{LATEST}.tmp-{os.getpid()}"
@@ -163,8 +148,8 @@ def run_folders(base) -> list[Path]:
     base = Path(base)
     if not base.is_dir():
         return []
-    found = [p for p in base.iterdir() if _RUN.match(p.name) and p.is_dir()]
-    return sorted(found, key=lambda p: _run_number(p.name))
+    found = [(int(m.group(1)), p) for p in base.iterdir() if (m := _RUN.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
 
 
 def is_run_dir(base, path) -> bool:
@@ -180,31 +165,28 @@ def is_run_dir(base, path) -> bool:
 
 
 def next_run_name(base) -> str:
-    """``version_<N>``: one more than the highest existing (0 for the first).
-    Only a name: :func:`claim_run_folder` creates the folder atomically."""
+    """``version_<N>``: one more than the highest existing (0 for the first)."""
     folders = run_folders(base)
-    n = _run_number(folders[-1].name) + 1 if folders else 0
-    return f"version_{n}"
+    return f"version_{int(folders[-1].name[len('version_'):]) + 1 if folders else 0}"
 
 
 def claim_run_folder(base, attempts: int = 1000) -> Path:
     """Create the next run folder ``base/version_<N>`` and return it: ``mkdir``
     without ``exist_ok``, so that two processes starting at the same moment
-    never get the same folder (the one that finds it made takes the next N).
-    :class:`CheckpointError` if ``base`` cannot be written."""
+    never get the same folder. :class:`CheckpointError` if ``base`` cannot
+    be written."""
     base = Path(base)
     tried = -1
     try:
         base.mkdir(parents=True, exist_ok=True)
         for _ in range(attempts):
             # past the last name tried, if that one was taken (by a folder, or a file)
-            tried = max(_run_number(next_run_name(base)), tried + 1)
-            folder = base / f"version_{tried}"
+            tried = max(int(next_run_name(base)[len("version_"):]), tried + 1)
             try:
-                os.mkdir(folder)
+                os.mkdir(base / f"version_{tried}")
             except FileExistsError:
                 continue
-            return folder
+            return base / f"version_{tried}"
     except OSError as exc:
         raise CheckpointError(
             f"cannot create a run folder in {str(base)!r}: {type(exc).__name__}: {exc}. Pass "
@@ -216,46 +198,30 @@ def claim_run_folder(base, attempts: int = 1000) -> Path:
 
 # -- the root on disk ----------------------------------------------------------------
 
-
 #: the temporary directories of this process's saves in progress (real paths):
 #: never removed by :func:`clean`
 _live_saves: set[str] = set()
 
 
-@contextlib.contextmanager
-def live_save(tmp: Path):
-    """Mark ``tmp`` as a save in progress of this process for the block."""
-    mark_live(tmp)
-    try:
-        yield
-    finally:
-        unmark_live(tmp)
+def mark_live(tmp: Path, live: bool = True) -> None:
+    """``tmp`` is (``live``) or is no longer a save in progress of this process."""
+    (_live_saves.add if live else _live_saves.discard)(os.path.realpath(tmp))
 
 
-def mark_live(tmp: Path) -> None:
-    """``tmp`` is a save in progress of this process (until
-    :func:`unmark_live`; an asynchronous save's outlives the call)."""
-    _live_saves.add(os.path.realpath(tmp))
-
-
-def unmark_live(tmp: Path) -> None:
-    _live_saves.discard(os.path.realpath(tmp))
+def leftovers(root) -> list[Path]:
+    """What killed saves and rotations left in ``root`` (``.tmp-*``,
+    ``.trash-*``, a half-written ``latest``), but this process's saves in progress."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return [p for p in root.iterdir() if p.name.startswith((TMP_PREFIX, TRASH_PREFIX, LATEST + ".tmp"))
+            and os.path.realpath(p) not in _live_saves]
 
 
 def clean(root) -> None:
-    """Remove what killed saves and rotations left behind (``.tmp-*``,
-    ``.trash-*``, a half-written ``latest``), except this process's saves in
-    progress. Main process only, holding the root's run lock
-    (:mod:`.lock`; the ``Checkpoint`` plugin takes it first): then no other
-    live run writes here, and every other temporary is a dead run's."""
-    root = Path(root)
-    if not root.is_dir():
-        return
-    for path in root.iterdir():
-        if not path.name.startswith((TMP_PREFIX, TRASH_PREFIX, LATEST + ".tmp")):
-            continue
-        if os.path.realpath(path) in _live_saves:
-            continue
+    """Remove :func:`leftovers`. Main process only, holding the root's run
+    lock (:mod:`.lock`): then every other temporary is a dead run's."""
+    for path in leftovers(root):
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:  # a probe file, a half-written latest

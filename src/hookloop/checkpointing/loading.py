@@ -1,15 +1,17 @@
-"""Finding and loading a checkpoint: which one ``resume_from`` names
-(:func:`find`, :func:`resolve`), and :func:`load`, all or nothing: checked
-against the loop, staged and verified (:mod:`.staging`), optimizer states
-checked to fit, and only then committed.
+"""A resume, in one pass: find the checkpoint (:func:`find`: ``latest`` read
+once, every fallback decided there), read its manifest once, check it against
+the loop (:func:`~.compat.check_resume`), read and verify each file once
+(:func:`~.reading.stage`), check what was read, commit (:func:`commit`),
+or nothing. Also a new run from a checkpoint's weights (:func:`load_weights`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import io
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,14 +20,14 @@ from . import accelerate as accel
 from . import elastic, formats
 from .codec import stateful_plugins
 from .collective import every_rank
-from .compat import check_resume
-from .errors import CheckpointError, first_line
-from .layout import LATEST, STATE_FILE, NotACheckpointName, list_checkpoints, read_latest
+from .compat import check_resume, check_shapes
+from .errors import CheckpointError, NotACheckpointName, first_line
+from .finite import first_nonfinite
+from .layout import LATEST, STATE_FILE, list_checkpoints, read_latest
 from .lock import refuse_live_run
-from .manifest import read_manifest
-from .policy import checkpoint_plugins
-from .runs import adopt_run
-from .staging import Staged, stage
+from .manifest import peek, read_manifest
+from .reading import Folder, Staged, compare_shapes, read_rank_file, read_weights, stage
+from .runs import adopt_run, trusted_pickles
 
 #: torch optimizer state entries that have their parameter's shape
 _PER_PARAMETER = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
@@ -33,73 +35,65 @@ _PER_PARAMETER = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", 
 #: param-group entries newer torch versions added (absent from older checkpoints: fine)
 _OPTIONAL_GROUP_KEYS = {"params", "foreach", "maximize", "capturable", "differentiable", "fused",
                         "decoupled_weight_decay", "initial_lr", "param_names"}
-
-
-def resolve(resume_from, root) -> Path | None:
-    """The checkpoint directory ``resume_from`` names.
-
-    ``"latest"``: the checkpoint ``root/latest`` names; if it cannot be
-    loaded (missing, truncated, a checksum mismatch, a file that does not
-    deserialise, non-finite values), the newest loadable one in ``root``,
-    with a warning naming the file that failed; ``None`` if nothing was ever
-    saved there (a first run). A checkpoint root given as a path resolves the
-    same way, except that finding nothing is an error. Any other path is
-    returned as it is (:func:`load` checks it, and raises naming the file).
-
-    Finding the newest *loadable* checkpoint reads it: every file is read
-    once, its checksum verified and its content deserialised into memory
-    (:func:`find` also returns what it read, for :func:`load`). With
-    several processes every one calls this, and they agree: the main
-    process's view of the root (or path) decides which checkpoint it is,
-    every rank stages that one from its own view, and they skip the same
-    checkpoints (one that fails on any process is skipped by all). A
-    checkpoint the main process sees and another rank does not (a root that
-    is not on a shared file system), or checkpoints another rank sees where
-    the main sees none, is a :class:`CheckpointError` on every rank naming
-    the ranks and the path: never some ranks resuming while others start
-    from scratch.
-    """
-    return _find(resume_from, root)[0]
-
-
-def find(resume_from, root) -> tuple[Path | None, Staged | None]:
-    """:func:`resolve`, and what was staged while finding the checkpoint
-    (None when ``resume_from`` is a checkpoint's path, returned unread): pass
-    it to ``load(..., staged=...)`` so that the checkpoint is not read twice."""
-    return _find(resume_from, root)
-
-
 #: what every rank must be told when some cannot see the checkpoint
 _SHARED = ("A checkpoint folder must be visible to every process: a shared file system, or copy "
            "it to each machine")
 
 
-def _find(resume_from, root, stacklevel: int = 4):
-    # (warnings name the caller of the caller of resolve() or find())
+def resolve(resume_from, root) -> Path | None:
+    """The checkpoint directory ``resume_from`` names (:func:`find`)."""
+    return find(resume_from, root)[0]
+
+
+def find(resume_from, root, stacklevel: int = 3) -> tuple[Path | None, Staged | None]:
+    """The checkpoint ``resume_from`` names, and what was read and verified
+    while finding it (pass it to ``load(..., staged=...)``: nothing is read
+    twice; None when ``resume_from`` is a checkpoint's path, returned unread).
+
+    ``"latest"``: the checkpoint ``root/latest`` names; if it cannot be
+    loaded (a temporary folder's name, missing, truncated, a checksum
+    mismatch, a file that does not deserialise, non-finite values), the
+    newest loadable one in ``root``, with a warning naming what failed;
+    ``None`` if nothing was ever saved there. A checkpoint root given as a
+    path resolves the same way, except that finding nothing is an error.
+    Any other path is returned as it is (the load checks it). ``root`` may
+    be a list of roots (the default run folders, newest first): one whose
+    checkpoint folders are all unreadable is skipped, with a warning.
+
+    With several processes every one calls this and they agree: the main
+    process's view decides which checkpoint it is, every rank reads that one
+    from its own view, and they skip the same checkpoints. A checkpoint some
+    rank cannot see is a :class:`CheckpointError` on every rank naming the
+    ranks and the path: never some ranks resuming while others start afresh.
+    """
+    roots = list(root) if isinstance(root, (list, tuple)) else [root]
+    for i, one in enumerate(roots if resume_from == "latest" else roots[:1]):
+        found = _find_in(resume_from, one, stacklevel + 1, last=i == len(roots) - 1)
+        if found is not None:
+            return found
+    return None, None
+
+
+def _find_in(resume_from, root, stacklevel: int, last: bool):
     refuse_live_run(resume_from, root)  # a live run's root: refused before anything is read
     lenient = resume_from == "latest"
-    # every rank's view of what resume_from names, exchanged once: the main
-    # process's view decides, and every rank checks it sees the same
-    views, error = _views(resume_from, root, lenient)
-    rank = accel.process_index()
+    views, error = _views(resume_from, root, lenient)  # (every rank's, exchanged once)
     if error is not None:
         raise error  # this rank's own (read_latest of a root it sees)
-    failed = next((v["error"] for v in views if v["error"]), None)
-    if failed:
+    if failed := next((v["error"] for v in views if v["error"]), None):
         raise CheckpointError(failed)
-    mine, main = views[rank], views[0]
+    mine, main = views[accel.process_index()], views[0]
     if main["kind"] == "path":
         _agree_on_path(views, resume_from)
         return Path(mine["path"]), None
     root = Path(mine["root"])
+    name, candidates = main["latest"], main["names"]
+    order = ([name] if name is not None else []) + [c for c in reversed(candidates) if c != name]
+    if not order:
+        _agree_on_nothing(views, resume_from)
     if mine["warning"]:  # a .tmp- or .trash- folder ...: the newest usable instead
         warnings.warn(f"hookloop: {mine['warning']}; resuming from the newest usable checkpoint "
                       "instead", RuntimeWarning, stacklevel=stacklevel)
-    name, candidates = main["latest"], main["names"]
-    order = [name] if name is not None else []
-    order += [c for c in reversed(candidates) if c != name]
-    if not order:
-        _agree_on_nothing(views, resume_from)
     problems: list[str] = []
     for candidate in order:
         blind = [r for r, v in enumerate(views) if candidate in candidates and candidate not in v["names"]]
@@ -107,56 +101,43 @@ def _find(resume_from, root, stacklevel: int = 4):
             raise CheckpointError(_blind_message(views, blind, candidate, resume_from))
         staged = None
         with every_rank(raise_error=False) as outcome:  # every process skips the same checkpoints
-            staged = stage(root / candidate)
-        error = outcome.error
-        if error is None:
+            staged = stage(root / candidate, read_manifest(root / candidate))
+        if outcome.error is None:
             if len(problems) > 1 or (problems and name is None):
-                warnings.warn(
-                    f"hookloop: resuming from {root / candidate}; newer checkpoints are not usable: "
-                    + "; ".join(problems[1 if name is not None else 0:]),
-                    RuntimeWarning,
-                    stacklevel=stacklevel,
-                )
+                warnings.warn(f"hookloop: resuming from {root / candidate}; newer checkpoints are not "
+                              "usable: " + "; ".join(problems[1 if name is not None else 0:]),
+                              RuntimeWarning, stacklevel=stacklevel)
             return root / candidate, staged
         if name is not None and not problems and len(order) > 1:
-            warnings.warn(
-                f"hookloop: {root / LATEST} names {name!r}, which is not usable ({error}); "
-                "resuming from the newest usable checkpoint instead",
-                RuntimeWarning,
-                stacklevel=stacklevel,
-            )
-        problems.append(error)
+            warnings.warn(f"hookloop: {root / LATEST} names {name!r}, which is not usable "
+                          f"({outcome.error}); resuming from the newest usable checkpoint instead",
+                          RuntimeWarning, stacklevel=stacklevel)
+        problems.append(outcome.error)
     if lenient and name is None and not candidates:
-        return None, None
-    raise CheckpointError(
-        f"resume_from={str(resume_from)!r}: no usable checkpoint in {root} "
-        f"(found {', '.join(candidates) or 'none'})"
-        + "".join(f"; {p}" for p in problems)
-    )
+        return None if not last else (None, None)
+    if lenient and not last and name is None and all(peek(root / c) is None for c in candidates):
+        warnings.warn(f"hookloop: skipping run folder {root}: none of its checkpoint folders is "
+                      f"readable ({'; '.join(problems[-3:])})", RuntimeWarning, stacklevel=stacklevel)
+        return None
+    raise CheckpointError(f"resume_from={str(resume_from)!r}: no usable checkpoint in {root} "
+                          f"(found {', '.join(candidates) or 'none'})" + "".join(f"; {p}" for p in problems))
 
 
 def _views(resume_from, root, lenient: bool) -> tuple[list[dict], CheckpointError | None]:
     """Every rank's view of ``resume_from`` (one ``gather_object``; none with
-    one process), and this rank's own error reading it, if any. A view:
-    ``kind`` (``"root"``: a checkpoint root, ``"path"``: anything else),
-    ``path`` (with its ``exists`` and ``manifest``), ``root``, the name
-    ``latest`` holds, the checkpoint ``names`` in the root, a ``warning``
-    (``latest`` names no checkpoint) and an ``error`` message."""
+    one process), and this rank's own error reading it. A view: ``kind``
+    (``"root"``: a checkpoint root, ``"path"``: anything else), ``path``
+    (its ``exists`` and ``manifest``), ``root``, the name ``latest`` holds,
+    the checkpoint ``names`` in the root, a ``warning`` (``latest`` names no
+    checkpoint) and an ``error`` message."""
     view: dict[str, Any] = {"kind": "root", "path": None, "exists": False, "manifest": False, "root": None,
-            "latest": None, "names": [], "warning": None, "error": None}
+                            "latest": None, "names": [], "warning": None, "error": None}
     error = None
-    if lenient:
-        root = Path(root)
-    else:
-        path = Path(os.fspath(resume_from)).expanduser()
-        view.update(path=str(path), exists=path.exists(), manifest=(path / STATE_FILE).exists())
-        looks_like_root = (
-            path.is_dir() and not view["manifest"]
-            and ((path / LATEST).exists() or list_checkpoints(path))
-        )
-        if not looks_like_root:
+    root = Path(root if lenient else os.fspath(resume_from)).expanduser()
+    if not lenient:
+        view.update(path=str(root), exists=root.exists(), manifest=(root / STATE_FILE).exists())
+        if not (root.is_dir() and not view["manifest"] and ((root / LATEST).exists() or list_checkpoints(root))):
             view["kind"] = "path"
-        root = path
     view["root"] = str(root)
     if view["kind"] == "root":
         try:
@@ -173,22 +154,19 @@ def _views(resume_from, root, lenient: bool) -> tuple[list[dict], CheckpointErro
     return gather_object([view]), error
 
 
-def _where(view) -> str:
-    return repr(view["root"])
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def _agree_on_path(views: list[dict], resume_from) -> None:
-    """``resume_from`` names a checkpoint (by the main process's view): every
-    rank must see it as the main does (the folder, its manifest), so that
-    :func:`load` fails or succeeds on all of them alike."""
+    """Every rank sees the checkpoint ``resume_from`` names as the main does."""
     seen = [(v["exists"], v["manifest"]) for v in views]
     if len(set(seen)) == 1:
         return
     best = max(seen)
     blind = [r for r, s in enumerate(seen) if s != best]
-    what = "it" if best[1] else "its folder"
     raise CheckpointError(
-        f"resume_from={str(resume_from)!r}: {_ranks(blind)} cannot see {what}"
+        f"resume_from={str(resume_from)!r}: {_ranks(blind)} cannot see {'it' if best[1] else 'its folder'}"
         + "".join(f" (rank {r} looks for {views[r]['path']!r})" for r in blind
                   if views[r]["path"] != views[0]["path"])
         + f", which {_ranks([r for r in range(len(views)) if r not in blind])} see"
@@ -197,71 +175,56 @@ def _agree_on_path(views: list[dict], resume_from) -> None:
 
 
 def _agree_on_nothing(views: list[dict], resume_from) -> None:
-    """The main process sees no checkpoint in its root: a fresh start only
-    if no rank sees one in its own."""
+    """The main process sees no checkpoint: a fresh start only if no rank does."""
     seeing = [r for r, v in enumerate(views) if v["names"] or v["latest"]]
-    if not seeing:
-        return
-    raise CheckpointError(
-        f"resume_from={str(resume_from)!r}: rank 0 sees no checkpoint in {_where(views[0])}, but "
-        + "; ".join(f"rank {r} sees {', '.join(views[r]['names'][-3:]) or views[r]['latest']} in "
-                    f"{_where(views[r])}" for r in seeing)
-        + f": the processes would not start alike (some from scratch, some resumed). {_SHARED}. "
-        "Nothing was loaded"
-    )
+    if seeing:
+        raise CheckpointError(
+            f"resume_from={str(resume_from)!r}: rank 0 sees no checkpoint in {views[0]['root']!r}, but "
+            + "; ".join(f"rank {r} sees {', '.join(views[r]['names'][-3:]) or views[r]['latest']} in "
+                        f"{views[r]['root']!r}" for r in seeing)
+            + f": the processes would not start alike (some from scratch, some resumed). {_SHARED}. "
+            "Nothing was loaded")
 
 
 def _blind_message(views: list[dict], blind: list[int], name: str, resume_from) -> str:
-    path = Path(views[0]["root"]) / name
-    elsewhere = "".join(f"; rank {r} looks in {_where(views[r])}" for r in blind
+    elsewhere = "".join(f"; rank {r} looks in {views[r]['root']!r}" for r in blind
                         if views[r]["root"] != views[0]["root"])
     return (f"resume_from={str(resume_from)!r}: {_ranks(blind)} cannot see checkpoint "
-            f"{str(path)!r}, which rank 0 resumes from ({len(views)} processes{elsewhere}). "
-            f"{_SHARED}. Nothing was loaded")
+            f"{str(Path(views[0]['root']) / name)!r}, which rank 0 resumes from ({len(views)} processes"
+            f"{elsewhere}). {_SHARED}. Nothing was loaded")
 
 
-def _ranks(ranks: list[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+# -- loading ---------------------------------------------------------------------------
 
 
 def load(loop, path, *, strict: bool = True, trust_pickles=None, staged: Staged | None = None) -> Resume:
     """Restore ``loop`` from the checkpoint at ``path`` (every process).
 
-    All or nothing: first the manifest is checked against the loop (the
-    networks, tensor shapes, optimizer and scheduler classes, the run
-    settings that decide the data order and step count, stateful
-    plugins), then every file is read into memory and verified
-    (:func:`stage`: sizes, checksums, deserialisation with
-    ``weights_only=True``, random states, finiteness), and optimizer states
-    are checked to fit their optimizers; only then are models, optimizers,
-    schedulers, random states, the loop position and plugin states
-    replaced. Every failure is a :class:`CheckpointError` naming the file
-    (or setting, or plugin), with the loop untouched. ``strict=False``:
-    plugin and run-setting mismatches only warn.
+    All or nothing: the manifest is checked against the loop (networks,
+    optimizer and scheduler classes, the run settings that decide the data
+    order and the step count, stateful plugins), every file is read and
+    verified (:func:`~.reading.stage`), tensor shapes and optimizer states
+    are checked to fit; only then are models, optimizers, schedulers, random
+    states, the run state and plugin states replaced. Every failure is a
+    :class:`CheckpointError` naming the file (or setting, or plugin), with
+    the loop untouched. ``strict=False``: plugin and run-setting mismatches
+    only warn. Another number of processes, batch size or accumulation:
+    :mod:`.elastic`.
 
-    Plugins restore after the networks (``load_state_dict``); a plugin with
-    a ``load_state_dict_early(state, loop)`` method also gets its state
-    before any network, optimizer or scheduler state is loaded, e.g. to add
-    back the param group it added during training (if the optimizer state
-    still does not fit, the param groups it added are taken out again and
-    the error names the network and the checkpoint).
+    Plugins restore after the networks (``load_state_dict``); one with a
+    ``load_state_dict_early(state, loop)`` method also gets its state before
+    any optimizer state is loaded, e.g. to add back a param group.
 
-    Another number of processes, batch size or accumulation: :mod:`.elastic`.
-
-    :param trust_pickles: names of ``custom_checkpoint_<i>.pkl`` files
-        (objects given to ``accelerator.register_for_checkpointing``) that
+    :param trust_pickles: names of ``custom_checkpoint_<i>.pkl`` files that
         may be unpickled although they are not plain data; default: the
-        ``trust_pickles`` of the loop's ``Checkpoint`` plugins. Unpickling
-        runs whatever code the file names: trust only files you wrote.
-    :param staged: what :func:`find` staged for ``path`` (not read again);
-        None: read it here.
+        ``trust_pickles`` of the loop's ``Checkpoint`` plugins.
+    :param staged: what :func:`find` read of ``path`` (not read again).
     """
-    acc = loop.accelerator
-    path = Path(path)
+    acc, path = loop.accelerator, Path(path)
     if staged is not None and (staged.process_index != acc.process_index
                                or os.path.realpath(staged.path) != os.path.realpath(path)):
         staged = None  # staged for another process or another checkpoint: read again
-    doc = read_manifest(path)
+    doc = read_manifest(path) if staged is None else staged.doc
     where = f"checkpoint {str(path)!r}"
     messages, plan = check_resume(loop, path, doc, strict)
     try:  # on a scratch state: fails before any change
@@ -271,75 +234,94 @@ def load(loop, path, *, strict: bool = True, trust_pickles=None, staged: Staged 
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointError(f"{where}: the run state in {STATE_FILE} is not valid: "
                               f"{type(exc).__name__}: {exc}") from exc
-    if trust_pickles is None:
-        trust_pickles = {name for plugin in checkpoint_plugins(loop)
-                         for name in getattr(plugin, "trust_pickles", ())}
-    trusted = set(trust_pickles)
-    custom = []
+    trusted = set(trusted_pickles(loop) if trust_pickles is None else trust_pickles)
+    parts = None
     with every_rank(acc):  # every process fails together, none waits
         if staged is None:
             staged = stage(path, doc, acc.process_index)
+        check_shapes(loop, staged, where)
         custom = _custom_states(staged, trusted, where)
         _check_optimizers(loop, staged, where, groups=False)
-        parts = elastic.rank_parts(path, doc, staged, plan, where) if plan.elastic else None
+        if plan.elastic:  # the other saved ranks' positions and loop.log values
+            folder = Folder(path, doc)
+            parts = {r: read_rank_file(folder, r) for r in elastic.needed_ranks(staged, plan)}
+            folder.settle()
+            mine = staged.process_index if staged.source_rank is None else staged.source_rank
+            parts[mine] = (staged.epoch_start, staged.generators, staged.logged)
+    _restore_early(loop, staged, where)
+    elastic.scale_schedulers(loop, staged, plan)
+    commit(loop, staged, custom, where)  # (a rank the checkpoint lacks: derived random states)
+    rng = capture_rng()
+    state = loop.state  # the run state, whole: position, run, this process's epoch
+    state.load_state_dict(doc["loop"])
+    state.load_run_dict(doc.get("run") or {})
+    state.epoch_start, generators, logged = elastic.continue_epoch(loop, staged, plan, parts, messages)
+    state.logged.load_state_dict(logged)
+    adopt_run(loop, path, doc)
+    current = dict(stateful_plugins(loop))
+    for name, plugin_state in staged.plugin_states.items():
+        if name in current:
+            try:
+                current[name].load_state_dict(plugin_state)
+            except Exception as exc:
+                raise CheckpointError(f"{where}: plugin {name!r} could not load its state: "
+                                      f"{type(exc).__name__}: {exc}") from exc
+    for message in messages:
+        warnings.warn(f"hookloop: {message}", RuntimeWarning, stacklevel=3)
+    loop.print(f"hookloop: resumed from {path} (epoch {state.epoch}, update {state.global_step})")
+    return Resume(epoch_start=state.epoch_start, rng=rng, generators=generators, path=path, manifest=doc)
 
-    # plugins that must act before the optimizer state (add a param group)
+
+def commit(loop, staged: Staged, custom: list, where: str) -> None:
+    """Put the staged states into the loop's objects, as
+    ``accelerator.load_state`` does (same objects, same order, same values):
+    the networks by their format's own reader, then the rest."""
+    acc = loop.accelerator
+
+    def apply(what, rel, fn):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - checked before; name the file if it still fails
+            raise CheckpointError(f"{where}: restoring {what} from {rel} failed after it was "
+                                  f"checked: {type(exc).__name__}: {exc}") from exc
+
+    fmt = formats.of_manifest(staged.doc.get("sharding"))
+    if fmt.whole:
+        return fmt.restore(loop, staged, apply)
+    accel.before_load(acc, staged.path, with_models=staged.sharded is None)
+    fmt.restore(loop, staged, apply)
+    if staged.sharded is not None:
+        formats.restore_dcp(loop, staged, apply)
+    accel.restore_rest(acc, staged, custom, apply)
+
+
+def _restore_early(loop, staged: Staged, where: str) -> None:
+    """``load_state_dict_early(state, loop)`` of the plugins that have one,
+    then the param groups checked; added groups taken out again on failure."""
+    acc = loop.accelerator
     optimizers = [getattr(o, "optimizer", o) for o in accel.optimizers(acc)]
     before = [list(o.param_groups) for o in optimizers]
+    current = dict(stateful_plugins(loop))
     with every_rank(acc):
         try:
-            _restore_early(loop, staged, where)
+            for name, state in staged.plugin_states.items():
+                early = getattr(current.get(name), "load_state_dict_early", None)
+                if callable(early):
+                    try:
+                        early(state, loop)
+                    except Exception as exc:  # noqa: BLE001
+                        raise CheckpointError(f"{where}: plugin {name!r} could not restore early "
+                                              f"(load_state_dict_early): {type(exc).__name__}: {exc}") from exc
             _check_optimizers(loop, staged, where, groups=True)
         except CheckpointError:
             for optimizer, groups in zip(optimizers, before):
                 optimizer.param_groups[:] = groups  # undo added param groups
             raise
 
-    elastic.scale_schedulers(loop, staged, plan)
-    formats.commit(loop, staged, custom, where)  # (a rank the checkpoint lacks: derived random states)
-    rng = capture_rng()
-    state = loop.state  # the run state, whole: position, run, this process's epoch
-    state.load_state_dict(doc["loop"])
-    state.load_run_dict(doc.get("run") or {})
-    epoch_start, generators, logged = elastic.continue_epoch(loop, staged, plan, parts, messages)
-    state.epoch_start = epoch_start
-    state.logged.load_state_dict(logged)
-    adopt_run(loop, path, doc)
-    current = dict(stateful_plugins(loop))
-    for name, state in staged.plugin_states.items():
-        if name not in current:
-            continue
-        try:
-            current[name].load_state_dict(state)
-        except Exception as exc:
-            raise CheckpointError(
-                f"{where}: plugin {name!r} could not load its state: {type(exc).__name__}: {exc}"
-            ) from exc
-    for message in messages:
-        warnings.warn(f"hookloop: {message}", RuntimeWarning, stacklevel=3)
-    loop.print(f"hookloop: resumed from {path} (epoch {loop.state.epoch}, "  # main process only
-               f"update {loop.state.global_step})")
-    return Resume(epoch_start=epoch_start, rng=rng, generators=generators, path=path)
-
-
-def _restore_early(loop, staged: Staged, where: str) -> None:
-    """``load_state_dict_early(state, loop)`` of the plugins that have one."""
-    current = dict(stateful_plugins(loop))
-    for name, state in staged.plugin_states.items():
-        early = getattr(current.get(name), "load_state_dict_early", None)
-        if callable(early):
-            try:
-                early(state, loop)
-            except Exception as exc:  # noqa: BLE001
-                raise CheckpointError(f"{where}: plugin {name!r} could not restore early "
-                                      f"(load_state_dict_early): {type(exc).__name__}: {exc}") from exc
-
 
 def _custom_states(staged: Staged, trusted: set, where: str) -> list:
     """The states of the objects registered with Accelerate: plain data, or
     (trusted by name) unpickled; any other pickle is refused."""
-    import io
-
     out = []
     for rel, (kind, payload) in staged.custom.items():
         if kind == "data":
@@ -366,30 +348,22 @@ def _custom_states(staged: Staged, trusted: set, where: str) -> list:
 def _check_optimizers(loop, staged: Staged, where: str, groups: bool) -> None:
     """Does each saved optimizer state fit its optimizer? ``groups``: the
     param groups (after early plugin restores); else the rest."""
-    acc = loop.accelerator
-    names = {}
-    for name, entry in formats.describe_networks(loop).items():
-        if entry.get("optimizer"):
-            names[entry["optimizer"]] = name
+    names = {entry["optimizer"]: name for name, entry in formats.describe_networks(loop).items()
+             if entry.get("optimizer")}
     known_classes = bool(staged.doc.get("classes"))
-    for i, opt in enumerate(accel.optimizers(acc)[:len(staged.optimizers)]):  # sharded: none
+    for i, opt in enumerate(accel.optimizers(loop.accelerator)[:len(staged.optimizers)]):  # sharded: none
         rel = accel.optimizer_file(i)
-        network = names.get(rel, f"#{i}")
-        inner = getattr(opt, "optimizer", opt)
-        cls = type(inner).__name__
-        state = staged.optimizers[i]
-        saved_groups, now_groups = state["param_groups"], inner.param_groups
+        network, inner = names.get(rel, f"#{i}"), getattr(opt, "optimizer", opt)
+        state, cls = staged.optimizers[i], type(inner).__name__
         if groups:
-            _check_groups(state, now_groups, where, network, rel, cls)
+            _check_groups(state, inner.param_groups, where, network, rel, cls)
         elif not known_classes:  # a 0.1 checkpoint: tell other optimizers apart by their groups
-            for saved, now in zip(saved_groups, now_groups):
-                missing = set(now) - set(saved) - _OPTIONAL_GROUP_KEYS
-                if missing:
+            for saved, now in zip(state["param_groups"], inner.param_groups):
+                if missing := set(now) - set(saved) - _OPTIONAL_GROUP_KEYS:
                     raise CheckpointError(
                         f"{where}: network {network!r}: {rel} was written by another optimizer "
                         f"than this network's {cls}: its param groups lack "
-                        f"{', '.join(map(repr, sorted(missing)))}"
-                    )
+                        f"{', '.join(map(repr, sorted(missing)))}")
 
 
 def _check_groups(state: dict, now_groups, where, network, rel, cls) -> None:
@@ -414,6 +388,86 @@ def _check_groups(state: dict, now_groups, where, network, rel, cls) -> None:
                 raise CheckpointError(
                     f"{where}: network {network!r}: {rel} has optimizer state {name!r} of "
                     f"shape {list(value.shape)} for parameter #{n}, which has shape "
-                    f"{list(param.shape)}: the parameters are in another order or of "
-                    "another model"
+                    f"{list(param.shape)}: the parameters are in another order or of another model"
                 )
+
+
+# -- a new run from a checkpoint's weights ---------------------------------------------
+
+
+def load_weights(loop, path, *, staged: Staged | None = None) -> Path:
+    """Replace every network's weights with those of checkpoint ``path``,
+    and nothing else: no optimizer, scheduler, random states, position,
+    plugin state or run identity (``Loop.load_checkpoint(path,
+    weights_only=True)``). Works across any number of processes and run
+    settings, from a hookloop checkpoint (each network by name) or a folder
+    of Accelerate's plain format (the models by their order). Every process
+    reads them; all fail together, with nothing changed. ``staged``: what
+    :func:`find` read of ``path``."""
+    acc, path = loop.accelerator, Path(path)
+    where = f"checkpoint {str(path)!r}"
+    if accel.kind(acc) in elastic.SHARDED:
+        raise CheckpointError(f"{where}: load_checkpoint(weights_only=True) reads whole models, and "
+                              f"this run's models are sharded ({accel.kind(acc)}): resume it with "
+                              "load_checkpoint(path) on the same number of processes instead")
+    now = formats.describe_networks(loop)  # network -> {"model": its file in this run, ...}
+    if sharded := [name for name, entry in now.items() if str(entry["model"]).startswith(f"{formats.DCP_DIR}/")]:
+        raise CheckpointError(f"{where}: load_checkpoint(weights_only=True) reads whole models, and "
+                              f"this run's network(s) {', '.join(map(repr, sharded))} are sharded "
+                              "(fully_shard): resume with load_checkpoint(path) on the same number of "
+                              "processes instead")
+    models = accel.models(acc)
+    index = {accel.model_file(i): i for i in range(len(models))}
+    states = {}
+    with every_rank(acc):  # every process fails together, none waits
+        if staged is not None and os.path.realpath(staged.path) == os.path.realpath(path):
+            read = {name: staged.models[index[now[name]["model"]]] for name in now}
+        elif not os.path.lexists(path / STATE_FILE) and accel.written_by_save_state(path):
+            folder = Folder(path)
+            files = [i for i in range(len(folder.names) + 1)
+                     if folder.has(accel.model_file(i)) or folder.has(accel.legacy_model_file(i))]
+            if files != sorted(index[entry["model"]] for entry in now.values()):
+                raise CheckpointError(
+                    f"{where} (written by accelerator.save_state) holds {len(files)} model(s) "
+                    f"({', '.join(folder.model_file(i) for i in files) or 'none'}); this loop has "
+                    f"{len(now)} ({', '.join(f'{n!r}' for n in now)}): their weights are matched by "
+                    "the order in which the models were prepared")
+            read = read_weights(folder, {n: folder.model_file(index[e["model"]]) for n, e in now.items()})
+        else:
+            read = _weights_of_checkpoint(path, where, now)
+        for name, state in read.items():
+            model = models[index[now[name]["model"]]]
+            compare_shapes({k: tuple(v.shape) for k, v in state.items()}, model.state_dict(), name, where)
+            floating = [(k, t) for k, t in state.items() if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            if (bad := first_nonfinite(t for _, t in floating)) is not None:
+                key, t = floating[bad]
+                flat = t.reshape(-1)
+                raise CheckpointError(f"{where}: the weights of network {name!r} are not finite (tensor "
+                                      f"{key!r}: {flat[~flat.isfinite()][0].item()})")
+            states[name] = (model, state)
+    for name, (model, state) in states.items():
+        try:
+            accel.load_model_state(model, state)
+        except Exception as exc:  # noqa: BLE001 - checked before; name the network if it still fails
+            raise CheckpointError(f"{where}: restoring the weights of network {name!r} failed after "
+                                  f"they were checked: {type(exc).__name__}: {exc}") from exc
+    return path
+
+
+def _weights_of_checkpoint(path: Path, where: str, now: dict) -> dict:
+    doc = read_manifest(path)
+    saved = doc["networks"]
+    if not isinstance(saved, dict) or sorted(saved) != sorted(now):
+        names = sorted(saved) if isinstance(saved, dict) else saved
+        raise CheckpointError(f"{where} holds the weights of networks {names}; this loop has "
+                              f"{sorted(now)}: load_checkpoint(weights_only=True) loads every "
+                              "network by its name")
+    folder, files = Folder(path, doc), {}
+    count = (doc.get("accelerate") or {}).get("models", 0)
+    for name in now:
+        rel = (saved[name] or {}).get("model") if isinstance(saved[name], dict) else None
+        i = next((i for i in range(count) if rel == accel.model_file(i)), None)
+        if rel is None or i is None:
+            raise CheckpointError(f"{where}: network {name!r} has no weights in it")
+        files[name] = folder.model_file(i)
+    return read_weights(folder, files)

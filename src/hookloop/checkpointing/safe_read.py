@@ -1,5 +1,6 @@
-"""Reading from a checkpoint folder, bounded and confined: every byte
-hookloop reads from a checkpoint root goes through :func:`open_checked`.
+"""Reading from a checkpoint folder, bounded and confined, each file opened
+once: every byte hookloop reads from a checkpoint root goes through
+:func:`open_checked`.
 
 A checkpoint root may be shared with others, downloaded, or on a disk that
 went bad, so a file is opened only when
@@ -9,23 +10,30 @@ went bad, so a file is opened only when
   link and where it leads, never what it holds;
 - it is a regular file: checked with ``stat`` before it is opened (a FIFO or
   a device is never opened), opened with ``O_NOFOLLOW`` and ``O_NONBLOCK``
-  (where the system has them) and checked again with ``fstat`` on what was
-  opened (a FIFO swapped in cannot block it);
+  and checked again with ``fstat`` on what was opened;
 - it is no bigger than its limit (:data:`LATEST_LIMIT`,
   :data:`MANIFEST_LIMIT`, a data file: the size its manifest records), and
-  no more than that is ever read (a file that grows while read is refused).
+  no more than that is ever read.
 
-JSON from such a file is parsed by :func:`loads_json`, with a depth limit.
-Every refusal is a :class:`RefusedFile`, a
-:class:`~.errors.CheckpointError` naming the file.
+The open descriptor is what everything reads: the deserialisers (through
+:meth:`Opened.file` and :meth:`Opened.mmap`) and the CRC-32 (:func:`crc32_fd`),
+so that a file is opened once and its bytes come from storage once (a
+network file system serves the second reader from the page cache). JSON is
+parsed by :func:`loads_json`, with a depth limit. Every refusal is a
+:class:`RefusedFile`, a :class:`~.errors.CheckpointError` naming the file.
+
+The checksum of every file is CRC-32 (zlib's polynomial), computed with ISA-L
+(``isal``: ~5x zlib, the same values) when it is installed, else with zlib.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import mmap as _mmap
 import os
 import stat
+import zlib
 from pathlib import Path
 
 from .errors import CheckpointError
@@ -33,17 +41,43 @@ from .errors import CheckpointError
 #: ``latest`` holds one checkpoint name (``step-00000040-epoch-end.12``)
 LATEST_LIMIT = 512
 #: ``hookloop.json``: the position, the networks, the plugin states as JSON
-#: (their tensors are in ``hookloop.safetensors``), sizes and checksums
 MANIFEST_LIMIT = 16 << 20
 #: a safetensors header (safetensors itself refuses one over 100 MB)
 HEADER_LIMIT = 100 << 20
 #: the deepest nesting of lists and objects accepted in a checkpoint's JSON
-#: (a manifest is ~4 deep plus its plugin states; Python's own parser gives
-#: up near 1000, with a RecursionError)
+#: (Python's own parser gives up near 1000, with a RecursionError)
 MAX_JSON_DEPTH = 200
 
 _FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
           | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+
+
+def _fastest_crc32():
+    try:
+        from isal import isal_zlib
+    except ImportError:  # an optional speed-up
+        return zlib.crc32, "zlib"
+    if isal_zlib.crc32(b"hookloop") != zlib.crc32(b"hookloop"):  # pragma: no cover - never seen
+        return zlib.crc32, "zlib"
+    return isal_zlib.crc32, "isal"
+
+
+#: zlib-compatible ``crc32(data, value=0)``, and whose it is (``"isal"`` or ``"zlib"``)
+crc32, CRC32_IMPLEMENTATION = _fastest_crc32()
+
+
+def crc32_fd(fd: int, size: int) -> int:
+    """CRC-32 of the first ``size`` bytes of open file ``fd``, through a
+    memory map (no copy), in one call: the GIL is released for the whole file."""
+    return crc32_of(_mmap.mmap(fd, size, access=_mmap.ACCESS_READ) if size else None)
+
+
+def crc32_of(mapped) -> int:
+    """CRC-32 of a memory map (closed afterwards; None: an empty file)."""
+    if mapped is None:
+        return 0
+    with mapped:
+        return crc32(mapped)
 
 
 class RefusedFile(CheckpointError):
@@ -74,11 +108,9 @@ def inside(real: str, real_root: str) -> bool:
 
 
 def confined(file, root) -> str:
-    """The real path of ``file``, once it is inside ``root`` (both with their
-    symbolic links resolved); else :class:`RefusedFile` naming ``file`` and
-    where it leads (the target's name only: nothing of it is read)."""
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(file)
+    """The real path of ``file``, once it is inside ``root``; else
+    :class:`RefusedFile` naming ``file`` and where it leads."""
+    real_root, real = os.path.realpath(root), os.path.realpath(file)
     if not inside(real, real_root):
         link = " (a symbolic link)" if os.path.islink(file) else ""
         raise RefusedFile(file, f"leads to {real!r}{link}, outside {real_root!r}: refusing to "
@@ -88,24 +120,20 @@ def confined(file, root) -> str:
 
 def check_folder(path) -> None:
     """Refuse a checkpoint folder that is a symbolic link, or whose real path
-    is not its real parent's entry of the same name (its content lives
-    elsewhere): :class:`RefusedFile` naming it and where it leads."""
+    is not its real parent's entry of the same name."""
     path = Path(path)
     if path.name in ("", ".", ".."):
         path = Path(os.path.abspath(path))
         if not path.name:
             return
     real = os.path.realpath(path)
-    expected = os.path.join(os.path.realpath(path.parent), path.name)
-    if os.path.islink(path) or real != expected:
+    if os.path.islink(path) or real != os.path.join(os.path.realpath(path.parent), path.name):
         raise RefusedFile(path, f"is a symbolic link to {real!r}: a checkpoint folder must be a "
                                 "folder of its checkpoint root, not a link to one elsewhere "
                                 "(copy it in instead)")
 
 
-def file_size(file, root, what: str) -> int:
-    """The size of regular file ``file`` inside ``root`` (not opened)."""
-    real = confined(file, root)
+def _stat(real: str, file, what: str):
     try:
         st = os.stat(real)
     except FileNotFoundError:
@@ -114,25 +142,27 @@ def file_size(file, root, what: str) -> int:
         raise RefusedFile(file, f"cannot be read ({what}): {type(exc).__name__}: {exc.strerror or exc}") from None
     if not stat.S_ISREG(st.st_mode):
         raise RefusedFile(file, f"is {_kind(st.st_mode)}, not a regular file: refusing to read {what}")
-    return st.st_size
+    return st
+
+
+def file_size(file, root, what: str) -> int:
+    """The size of regular file ``file`` inside ``root`` (not opened)."""
+    return _stat(confined(file, root), file, what).st_size
 
 
 class Opened:
     """A checked, open regular file of a checkpoint folder
     (:func:`open_checked`); use it in a ``with`` block."""
 
-    def __init__(self, file: Path, real: str, fd: int, size: int, limit: int, why: str):
-        self.file, self.real, self.fd, self.size = file, real, fd, size
+    def __init__(self, file: Path, fd: int, size: int, limit: int, why: str):
+        self.file, self.fd, self.size = file, fd, size
         self._limit, self._why = limit, why
 
     def read(self) -> bytes:
         """The whole file: at most its limit (one more byte is an error)."""
         os.lseek(self.fd, 0, os.SEEK_SET)
         chunks, total = [], 0
-        while True:
-            chunk = os.read(self.fd, min(1 << 20, self._limit + 1 - total))
-            if not chunk:
-                break
+        while chunk := os.read(self.fd, min(1 << 20, self._limit + 1 - total)):
             chunks.append(chunk)
             total += len(chunk)
             if total > self._limit:
@@ -142,34 +172,21 @@ class Opened:
 
     def read_at(self, offset: int, size: int) -> bytes:
         """``size`` bytes from ``offset`` (fewer at the end of the file)."""
-        os.lseek(self.fd, offset, os.SEEK_SET)
-        chunks, left = [], size
-        while left > 0:
-            chunk = os.read(self.fd, min(1 << 20, left))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
+        return os.pread(self.fd, size, offset) if size else b""
 
-    def crc32(self) -> int:
-        """CRC-32 of the file, through a memory map of the open file."""
-        import mmap
-        import zlib
+    def reader(self):
+        """An unbuffered file object reading this very descriptor, from its
+        start (what ``torch.load`` is given: no second open)."""
+        os.lseek(self.fd, 0, os.SEEK_SET)
+        return os.fdopen(self.fd, "rb", buffering=0, closefd=False)
 
-        if self.size == 0:
-            return 0
-        with mmap.mmap(self.fd, self.size, access=mmap.ACCESS_READ) as mapped:
-            return zlib.crc32(mapped)
-
-    def source(self):
-        """What a loader (``torch.load``, safetensors) is given to read this
-        very file: its open descriptor's ``/proc/self/fd`` path where there
-        is one (Linux), else its bytes."""
-        proc = f"/proc/self/fd/{self.fd}"
-        if os.path.exists(proc):
-            return proc
-        return self.read()
+    def mmap(self, private: bool = True):
+        """A memory map of the file, which outlives the descriptor (None: an
+        empty file). ``private``: copy-on-write (tensors made from it own
+        it: it is unmapped when the last one goes); else read-only."""
+        if not self.size:
+            return None
+        return _mmap.mmap(self.fd, self.size, access=_mmap.ACCESS_COPY if private else _mmap.ACCESS_READ)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -192,14 +209,7 @@ def open_checked(file, root, *, limit: int, what: str, why: str | None = None) -
     file = Path(file)
     why = why or f"the most {what} may be"
     real = confined(file, root)
-    try:
-        before = os.stat(real)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise RefusedFile(file, f"cannot be read ({what}): {type(exc).__name__}: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(before.st_mode):
-        raise RefusedFile(file, f"is {_kind(before.st_mode)}, not a regular file: refusing to read {what}")
+    before = _stat(real, file, what)
     try:
         fd = os.open(real, _FLAGS)
     except FileNotFoundError:
@@ -214,7 +224,7 @@ def open_checked(file, root, *, limit: int, what: str, why: str | None = None) -
         if st.st_size > limit:
             raise RefusedFile(file, f"is {st.st_size} bytes, more than {limit} ({why}): refusing to "
                                     f"read {what}")
-        return Opened(file, real, fd, st.st_size, limit, why)
+        return Opened(file, fd, st.st_size, limit, why)
     except BaseException:
         os.close(fd)
         raise
@@ -270,7 +280,6 @@ def relative_entry(rel) -> str | None:
         return "it holds a backslash or a NUL"
     if rel.startswith("/") or os.path.isabs(rel) or (len(rel) > 1 and rel[0].isalpha() and rel[1] == ":"):
         return "it is an absolute path"
-    parts = rel.split("/")
-    if any(part in ("", ".", "..") for part in parts):
+    if any(part in ("", ".", "..") for part in rel.split("/")):
         return "it has an empty, '.' or '..' part"
     return None

@@ -1,39 +1,36 @@
-"""Writing a checkpoint: refuse what must not be saved, let Accelerate and
-every rank write into a temporary directory, add hookloop's files and the
-manifest, fsync, rename into place, point ``latest`` at it, rotate; the
-heavy files and everything after them in a background thread when the
-save is asynchronous (:func:`wait`, :func:`poll`).
+"""Writing a checkpoint: refuse what must not be saved, let every rank write
+its files into a temporary directory (the format's, :mod:`.formats`), add
+hookloop's files and the manifest, fsync, rename into place, point
+``latest`` at it, rotate; the heavy files and everything after them in a
+background thread when the save is asynchronous (:mod:`.writer`).
 
 A save killed at any point leaves the previous checkpoint intact and
-``latest`` naming a complete one. The steps that a test or a benchmark
-replaces are looked up in their modules at each call
-(``codec.write_rank_file``, ``layout.write_latest``, ``manifest.crc32_file``,
-``finite.refuse_nonfinite``, and :func:`publish` here).
+``latest`` naming a complete one. The steps a test replaces are looked up in
+their modules at each call (``codec.write_rank_file``, ``layout.write_latest``,
+``writer.write_file``, ``finite.refuse_nonfinite``, and :func:`publish` here).
 """
 
 from __future__ import annotations
 
-from typing import Any
-import json
 import os
 import re
 import shutil
 import time
 import weakref
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .._version import __version__
 from . import accelerate as accel
-from . import codec, finite, formats, host_copy, layout, manifest, writer
+from . import codec, finite, formats, layout, manifest, safe_read, writer
 from .collective import every_rank
 from .compat import run_settings
 from .errors import CheckpointError, NonFiniteCheckpoint
-from .layout import FORMAT, RANK_FILE, STATE_FILE, TENSORS_FILE, TMP_PREFIX, TRASH_PREFIX, VERSION
-from .rotation import _remove, rotate  # noqa: F401 - importable from here (0.2)
-from .runs import describe_run, owns, run_identity
-from .writer import poll, wait, write_error, write_files  # noqa: F401 - importable from here
+from .layout import FORMAT, RANK_FILE, TENSORS_FILE, TMP_PREFIX, TRASH_PREFIX, VERSION
+from .runs import Scan, describe_run, owns, remove
+from .writer import poll, wait, write_error  # noqa: F401 - importable from here
 
 
 def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None = None,
@@ -43,35 +40,30 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
     must call this (each writes its random states). Returns its directory.
 
     :param epoch_end: the loop is in ``on_epoch_end``, after the epoch's
-        evaluation: record the position as the start of the next epoch, so
-        that a resumed run does not evaluate this epoch again.
+        evaluation: record the position as the start of the next epoch.
     :param name: default ``step-<global_step>`` (``-epoch-end``).
     :param update_latest: point ``root/latest`` at it (False for emergency
         checkpoints, which may be taken in the middle of a step).
     :param keep_last: afterwards, delete all but the newest ``keep_last``
-        regular checkpoints of this run (:func:`owns`; never the one
-        ``latest`` names, never the newest finite one, never another run's).
-    :param monitor: recorded in the manifest (``monitor``): the value of a
-        metric this checkpoint was evaluated at, ``{"key", "value", "mode"}``;
-        :func:`best_checkpoints` ranks checkpoints by it.
+        checkpoints of this run (never the one ``latest`` names, never the
+        newest finite one, never another run's).
+    :param monitor: recorded in the manifest: ``{"key", "value", "mode"}``
+        of the metric this checkpoint was evaluated at (for best-k).
     :param keep: names rotation never deletes (the best ``save_top_k``).
     :param asynchronous: copy the state to host memory and return; a
         background thread writes the files, checksums, fsyncs, publishes,
-        points ``latest`` and rotates (:mod:`.writer`). The directory
-        returned is where it will be published; until then ``latest`` names
-        the previous checkpoint. :func:`wait` (every process) waits for it
-        and raises a :class:`CheckpointError` naming it if it failed; the
-        next save waits for it first (at most one in flight).
+        points ``latest`` and rotates. The directory returned is where it
+        will be published; until then ``latest`` names the previous
+        checkpoint. :func:`wait` (every process) waits for it and raises a
+        :class:`CheckpointError` naming it if it failed; the next save waits
+        for it first (at most one in flight).
     :param on_published: called with the published directory, on the
-        training thread, when the save is settled (at once without
-        ``asynchronous``; else in :func:`wait` or :func:`poll`).
+        training thread, when the save is settled.
 
     Refused on every process, with nothing published: a non-finite
-    parameter or optimizer state (:class:`NonFiniteCheckpoint`, naming the
-    network, the tensor and, when a plugin recorded it, the first update
-    whose gradient norm was not finite); plugin state that is not data; a
-    name held by another run's checkpoint. A full disk is reported as
-    ``no space left on <dir>``.
+    parameter or optimizer state (:class:`NonFiniteCheckpoint`), plugin state
+    that is not data, a name held by another run's checkpoint. A full disk
+    is reported as ``no space left on <dir>``.
     """
     acc = loop.accelerator
     wait(loop)  # at most one save in flight: this one waits for the previous one
@@ -82,12 +74,8 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
     name = name or layout.checkpoint_name(position["global_step"], epoch_end)
     final = root / name
     tmp = root / f"{TMP_PREFIX}{name}-{tmp_tag(loop)}"  # every rank writes into the main's
-    networks = formats.describe_networks(loop)
-    sharding = formats.describe(loop)  # None: the plain format
-    # the plain format is written by hookloop from Accelerate's state dicts (host_copy);
-    # anything else by Accelerate's save_state, synchronously
-    plain = sharding is None and host_copy.supported(acc)
-    background = asynchronous and plain
+    fmt, networks, sharding = formats.of_accelerator(acc), formats.describe_networks(loop), formats.describe(loop)
+    background = asynchronous and sharding is None and fmt.writes_itself
     states = {n: p.state_dict() for n, p in codec.stateful_plugins(loop)}  # every rank: may be collective
     main = acc.is_main_process
 
@@ -95,12 +83,11 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
         return lambda exc: (exc if (refusals and isinstance(exc, CheckpointError))
                             or isinstance(exc, NonFiniteCheckpoint) else write_error(exc, root, what))
 
-    # every rank checks its own memory; an asynchronous save checks while it copies
+    # every rank checks its own memory; an asynchronous save's writer checks the copy
     refusal = None if background else finite.refuse_nonfinite(loop, root, name, position["global_step"])
     plugins: dict[str, Any] = {}
     tensors: dict[str, Any] = {}
-    with every_rank(acc, catch=(CheckpointError, OSError),
-                    describe=failed(f"cannot create {tmp}", refusals=True)):
+    with every_rank(acc, catch=(CheckpointError, OSError), describe=failed(f"cannot create {tmp}", True)):
         if refusal is not None:
             raise refusal
         if main:  # refuse state that is not data before anything is written
@@ -110,8 +97,7 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
                 raise CheckpointError(
                     f"not saving {final}: a checkpoint of another run ({describe_run(final)}) has "
                     "that name, and this run replaces only its own. Give Checkpoint(dir=...) "
-                    "another directory, or move that checkpoint away"
-                )
+                    "another directory, or move that checkpoint away")
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
@@ -119,25 +105,20 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
     layout.mark_live(tmp)  # (layout.clean leaves it alone until the save is over)
     handed_over = False
     try:
-        snapshot, known = None, {}
+        snapshot, known, own = None, {}, None
         with every_rank(acc, catch=Exception,
                         describe=failed(f"process {acc.process_index} could not write into {tmp}")):
-            if plain:
-                # as save_state does: a rank that does not see the main's folder writes into its
-                # own (check_rank_files then names the ranks whose files are not shared)
-                tmp.mkdir(parents=True, exist_ok=True)
-                snapshot = host_copy.take(acc, tmp, copy=background)  # (its finiteness: the writer's)
-                if not background:
-                    known = write_files(tmp, snapshot)  # (checksummed as they are written)
-            else:
-                with accel.manual_naming(acc):
-                    acc.save_state(str(tmp))
-            own = formats.save(loop, tmp, sharding) if sharding is not None else None
+            # as save_state does: a rank that does not see the main's folder writes into its
+            # own (check_rank_files then names the ranks whose files are not shared)
+            tmp.mkdir(parents=True, exist_ok=True)
+            heavy = fmt.save(loop, tmp)
+            snapshot = writer.host_copy(acc, heavy) if background else writer.Snapshot(heavy)
+            if not background:
+                known = writer.write_files(tmp, snapshot)  # (checksummed as they are written)
+            if sharding is not None:
+                own = formats.save_sharded(loop, tmp, sharding)
             codec.write_rank_file(tmp / RANK_FILE.format(rank=acc.process_index), loop)
-        shards = None
-        if sharding is not None:
-            assert own is not None  # formats.save ran on every rank: every_rank re-raises a failure
-            shards = formats.gather(acc, own, sharding)
+        shards = formats.gather(acc, own or {}, sharding) if sharding is not None else None
         doc = _manifest(loop, final, position, networks, plugins, reason, monitor, shards)
 
         def publish_all():
@@ -155,6 +136,7 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
             if on_published is not None:
                 on_published(final)
             return final
+
         def refused(exc):  # (on the training thread: the refusal a synchronous save makes)
             if not isinstance(exc, _NonFiniteCopy):
                 return exc
@@ -164,7 +146,8 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
                          if main else (lambda: final), on_published, explain=refused)
         handed_over = True
         writer.start(loop, job)
-        return _planned(root, final, update_latest)
+        return layout.next_generation(final) if (final.exists() and update_latest and
+                                                 layout.read_latest_quietly(root) == final.name) else final
     except CheckpointError:
         # a failed save leaves nothing behind; the previous checkpoint stays latest. Another
         # rank removes its folder only where it is not the main's (no rank 0 file in it:
@@ -174,7 +157,7 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
         raise
     finally:
         if not handed_over:
-            layout.unmark_live(tmp)
+            layout.mark_live(tmp, False)
 
 
 def _in_background(publish_all, root: Path, tmp: Path, final: Path, snapshot, acc):
@@ -194,12 +177,10 @@ def _in_background(publish_all, root: Path, tmp: Path, final: Path, snapshot, ac
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             detail = str(exc) if isinstance(exc, CheckpointError) else write_error(exc, root, "writing it")
-            raise CheckpointError(
-                f"the asynchronous save of checkpoint {str(final)!r} failed: {detail}. Nothing was "
-                "published; 'latest' still names the previous checkpoint"
-            ) from exc
+            raise CheckpointError(f"the asynchronous save of checkpoint {str(final)!r} failed: {detail}. "
+                                  "Nothing was published; 'latest' still names the previous checkpoint") from exc
         finally:
-            layout.unmark_live(tmp)
+            layout.mark_live(tmp, False)
             snapshot.release(acc)
 
     return work
@@ -207,25 +188,32 @@ def _in_background(publish_all, root: Path, tmp: Path, final: Path, snapshot, ac
 
 def _publish_all(loop, root, tmp, final, doc, tensors, snapshot, known, shards, update_latest,
                  keep_last, keep) -> Path:
-    """Main process: whatever files are not written yet, the manifest,
-    the rename into place, ``latest``, rotation. Returns where it landed."""
-    if snapshot is not None and not known:
-        known = write_files(tmp, snapshot)
-    final, replaced = _finish(tmp, final, doc, tensors, known, shards, update_latest)
+    """Main process: whatever files are not written yet, hookloop's tensors
+    file, every file's size and checksum, the manifest, the rename into
+    place, ``latest``, rotation. Returns where it landed."""
+    known = dict(known or writer.write_files(tmp, snapshot))
+    if shards:
+        known.update(shards["known"])  # (checksummed by the rank that wrote them)
+    known[TENSORS_FILE] = writer.write_file(tmp, TENSORS_FILE, "safetensors", tensors, {"format": FORMAT})
+    for file in sorted(tmp.rglob("*")):
+        rel = file.relative_to(tmp).as_posix()
+        if file.is_file() and rel not in known:  # Accelerate's small files, each rank's own
+            with open(file, "rb") as f:  # (read back from the page cache)
+                os.fsync(f.fileno())
+                size = os.fstat(f.fileno()).st_size
+                known[rel] = (size, safe_read.crc32_fd(f.fileno(), size))
+    for rel, (size, crc) in sorted(known.items()):
+        doc["files"][rel], doc["crc32"][rel] = size, crc
+    manifest.write(tmp, doc)
+    layout.fsync_dir(tmp)
+    final, replaced = publish(tmp, final, keep_existing=update_latest)
     if update_latest:
         layout.write_latest(root, final.name)
     if replaced is not None:  # an older save of this position, now that latest moved on
-        _remove(replaced)
+        remove(replaced)
     if keep_last:
-        rotate(loop, root, keep_last, keep)
-    return final
-
-
-def _planned(root: Path, final: Path, update_latest: bool) -> Path:
-    """Where :func:`publish` will put ``final`` (nothing else writes the root
-    while the save is in flight)."""
-    if final.exists() and update_latest and read_latest_quietly(root) == final.name:
-        return layout.next_generation(final)
+        Scan(root).rotate(loop, keep_last, keep, latest=final.name if update_latest
+                          else layout.read_latest_quietly(root))
     return final
 
 
@@ -239,11 +227,9 @@ class _NonFiniteCopy(Exception):
 
 def _nonfinite(loop, root, name, step, networks, found) -> NonFiniteCheckpoint:
     """The refusal of an asynchronous save whose host copy holds a non-finite
-    tensor (``found``: ``(rel, key, value)``), naming the network and tensor
-    as a synchronous save does."""
+    tensor, naming the network and tensor as a synchronous save does."""
     rel, key, value = found
-    network = next((n for n, entry in networks.items() if rel in (entry.get("model"), entry.get("optimizer"))),
-                   "?")
+    network = next((n for n, e in networks.items() if rel in (e.get("model"), e.get("optimizer"))), "?")
     parts = re.findall(r"\[([^\]]*)\]", key)
     if rel.endswith(".safetensors") and len(parts) == 1:
         what = f"tensor {parts[0]} of {rel}"
@@ -263,15 +249,12 @@ class MissingRankFiles(CheckpointError):
 
 def check_rank_files(tmp: Path, final: Path, num_processes: int) -> None:
     """Main process, after every rank wrote into its ``tmp``: each rank's own
-    files (``random_states_<r>.pkl``, ``hookloop-rank<r>.safetensors``) are
-    in this process's ``tmp``, one ``stat`` each; else
+    files are in this process's ``tmp`` (one ``stat`` each); else
     :class:`MissingRankFiles` naming the ranks, the files and the folder."""
     missing: dict[int, list[str]] = {}
     for rank in range(num_processes):
         for rel in (accel.rng_file(rank), RANK_FILE.format(rank=rank)):
-            try:
-                os.stat(tmp / rel)
-            except FileNotFoundError:
+            if not os.path.exists(tmp / rel):
                 missing.setdefault(rank, []).append(rel)
     if not missing:
         return
@@ -283,8 +266,7 @@ def check_rank_files(tmp: Path, final: Path, num_processes: int) -> None:
         + "; ".join(f"rank {r}: {', '.join(rels)}" for r, rels in missing.items())
         + "). A checkpoint folder must be visible to every process: a shared file system, with "
         "the same Checkpoint(dir=...) on every process. Nothing was published; 'latest' still "
-        "names the previous checkpoint"
-    )
+        "names the previous checkpoint")
 
 
 #: loop -> (its run id on this process, the agreed tag of its temporary folders)
@@ -292,13 +274,10 @@ _TAGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def tmp_tag(loop) -> str:
-    """``<run id prefix>-<pid>`` of the main process: what makes the names of a
-    run's temporary save folders (``.tmp-<name>-<tag>``) its own, so that two
-    runs (or two processes) saving into one root never share one. The same on
-    every rank (each rank writes its files into the main process's folder,
-    and a fresh run's id is drawn per process): agreed once per loop and run
-    id, with one broadcast when there are several processes."""
-    run_id = run_identity(loop).id
+    """``<run id prefix>-<pid>`` of the main process: what makes a run's
+    temporary save folders (``.tmp-<name>-<tag>``) its own, the same on every
+    rank (agreed once per loop and run id, one broadcast)."""
+    run_id = loop.state.run.id
     cached = _TAGS.get(loop)
     if cached is not None and cached[0] == run_id:
         return cached[1]
@@ -313,34 +292,22 @@ def tmp_tag(loop) -> str:
 
 def _manifest(loop, final: Path, position, networks, plugins, reason, monitor=None, shards=None) -> dict:
     """The manifest of a save, at its safe point: everything but the files'
-    sizes and checksums (:func:`_finish`)."""
+    sizes and checksums (:func:`_publish_all`)."""
     import accelerate
 
-    classes = {}  # optimizer.bin -> its optimizer's class, for a clear error on resume
-    for name, net in loop.networks.items():
-        for part in ("optimizer", "scheduler"):
-            if networks[name].get(part):
-                classes[networks[name][part]] = accel.class_name(getattr(net, part))
+    classes = {networks[name][part]: accel.class_name(getattr(net, part))  # for a clear error on resume
+               for name, net in loop.networks.items() for part in ("optimizer", "scheduler")
+               if networks[name].get(part)}
     doc = {
-        "format": FORMAT,
-        "version": VERSION,
-        "reason": reason,
+        "format": FORMAT, "version": VERSION, "reason": reason,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "versions": {"hookloop": __version__, "torch": torch.__version__,
-                     "accelerate": accelerate.__version__},
+        "versions": {"hookloop": __version__, "torch": torch.__version__, "accelerate": accelerate.__version__},
         "num_processes": loop.accelerator.num_processes,
-        "loop": position,
-        "run": loop.state.run_dict(),
-        "networks": networks,
-        "accelerate": accel.accelerate_counts(loop.accelerator),
-        "plugins": plugins,
-        "files": {},
-        "crc32": {},
-        "checksum": manifest.CHECKSUM,
-        "run_id": run_identity(loop).id,
-        "root": os.path.realpath(final.parent),
-        "settings": run_settings(loop),
-        "classes": classes,
+        "loop": position, "run": loop.state.run_dict(), "networks": networks,
+        "accelerate": accel.counts(loop.accelerator), "plugins": plugins,
+        "files": {}, "crc32": {}, "checksum": manifest.CHECKSUM,
+        "run_id": loop.state.run.id, "root": os.path.realpath(final.parent),
+        "settings": run_settings(loop), "classes": classes,
         "checks": {"finite": True},  # save() refused non-finite state before writing
     }
     if monitor is not None:
@@ -348,38 +315,6 @@ def _manifest(loop, final: Path, position, networks, plugins, reason, monitor=No
     if shards:
         doc["sharding"] = shards["manifest"]
     return doc
-
-
-def _finish(tmp: Path, final: Path, doc: dict, tensors: dict, known: dict, shards=None,
-            update_latest=True) -> tuple[Path, Path | None]:
-    """Main process: hookloop's tensors file, the size and checksum of every
-    file (``known``: ``{rel: (size, crc32)}`` of those checksummed as they
-    were written, or, for a sharded format's shards, by the rank that wrote
-    them; the others are fsync'ed and read back), the manifest, fsync, rename
-    into place. Returns where it landed and the checkpoint it replaces (to
-    delete once ``latest`` names the new one), as :func:`publish` does."""
-    known = dict(known)
-    if shards:
-        known.update(shards["known"])
-    known[TENSORS_FILE] = writer.write_file(tmp, TENSORS_FILE, "safetensors", tensors, {"format": FORMAT})
-    files, crcs = doc["files"], doc["crc32"]
-    for file in sorted(tmp.rglob("*")):
-        if not file.is_file():
-            continue
-        rel = file.relative_to(tmp).as_posix()
-        if rel in known:
-            files[rel], crcs[rel] = known[rel]
-        else:  # Accelerate's small files, each rank's own: read back from the page cache
-            layout.fsync_file(file)
-            files[rel] = file.stat().st_size
-            crcs[rel] = manifest.crc32_file(file)
-    doc[manifest.SELF_CRC] = manifest.manifest_crc(doc)
-    with open(tmp / STATE_FILE, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    layout.fsync_dir(tmp)
-    return publish(tmp, final, keep_existing=update_latest)
 
 
 def publish(tmp: Path, final: Path, keep_existing: bool = True) -> tuple[Path, Path | None]:
@@ -391,16 +326,13 @@ def publish(tmp: Path, final: Path, keep_existing: bool = True) -> tuple[Path, P
     ``keep_existing``), the new save takes the next free generation of the
     name (``step-00000040.1``) and the old one is returned, to be deleted
     once ``latest`` names the new one. One that ``latest`` does not name is
-    moved aside and replaced (a directory cannot be renamed over a full one);
-    killed in between, ``latest`` still names a complete checkpoint."""
+    moved aside and replaced; killed in between, ``latest`` still names a
+    complete checkpoint."""
     root = final.parent
-    if final.exists():
-        named = keep_existing and read_latest_quietly(root) == final.name
-        if named:
-            new = layout.next_generation(final)
-            os.rename(tmp, new)
-            layout.fsync_dir(root)
-            return new, final
+    replaced = None
+    if final.exists() and keep_existing and layout.read_latest_quietly(root) == final.name:
+        final, replaced = layout.next_generation(final), final
+    elif final.exists():
         trash = final.with_name(f"{TRASH_PREFIX}{final.name}-{os.getpid()}")
         os.rename(final, trash)
         os.rename(tmp, final)
@@ -409,12 +341,4 @@ def publish(tmp: Path, final: Path, keep_existing: bool = True) -> tuple[Path, P
         return final, None
     os.rename(tmp, final)
     layout.fsync_dir(root)
-    return final, None
-
-
-def read_latest_quietly(root: Path) -> str | None:
-    """``latest``'s checkpoint name, or None if it cannot be read."""
-    try:
-        return layout.read_latest(root)
-    except CheckpointError:
-        return None
+    return final, replaced

@@ -1,12 +1,14 @@
 """Writing checkpoint files at memory speed, and in the background.
 
-- :class:`ChecksumFile`: a file whose size and CRC-32 are computed on the
-  bytes as they are handed to the kernel, a few MiB at a time (each chunk
-  is checksummed while it is in the cache: no second read), fsync'ed when
-  it is closed.
-- :func:`write_file`: one file of a :class:`~.host_copy.Snapshot` with
-  Accelerate's own serialisation (``safetensors.torch.save_file``,
-  ``torch.save`` through a :class:`ChecksumFile`), fsync'ed, checksummed.
+- :class:`ChecksumFile` and :func:`write_file`: a file written as Accelerate
+  writes it (``safetensors.torch.save_file``, ``torch.save``), its size and
+  CRC-32 computed on the bytes as they are handed to the kernel (or read
+  back from the page cache), fsync'ed.
+- :class:`Snapshot` and :func:`host_copy`: the models' and optimizers' states
+  copied to host memory at the safe point (each storage once, into buffers
+  kept from the previous save of the same sizes; pinned and non-blocking
+  from a GPU), so that training goes on while they are written. Their
+  finiteness is checked by the writer, off the training thread.
 - :class:`Job` and :func:`start` / :func:`settle` / :func:`wait` /
   :func:`poll`: at most one save of a loop written by a background thread
   at a time. The thread only writes files; every collective stays on the
@@ -17,13 +19,19 @@
 from __future__ import annotations
 
 import contextlib
+import copy as _copy
 import os
 import shutil
 import threading
 import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from . import manifest
+import torch
+
+from . import finite, safe_read
 from .collective import every_rank
 
 #: bytes checksummed and written at a time (fits the caches with room to spare)
@@ -47,7 +55,7 @@ class ChecksumFile:
         total = len(view)
         for start in range(0, total, CHUNK):
             chunk = view[start:start + CHUNK]
-            self.crc = manifest.crc32(chunk, self.crc)
+            self.crc = safe_read.crc32(chunk, self.crc)
             while len(chunk):
                 chunk = chunk[os.write(self.fd, chunk):]
         self.size += total
@@ -98,17 +106,120 @@ def write_file(folder: Path, rel: str, kind: str, payload, metadata=None) -> tup
         try:
             os.fsync(fd)
             size = os.fstat(fd).st_size
-            return size, manifest.crc32_fd(fd, size)
+            return size, safe_read.crc32_fd(fd, size)
         finally:
             os.close(fd)
     with ChecksumFile(path) as out:
         if kind == "torch":
-            import torch
-
             torch.save(payload, out)
         else:
             out.write(payload)
         return out.close()
+
+
+@dataclass
+class Snapshot:
+    """The files left to write: ``files`` as ``[rel, kind, payload,
+    metadata]`` for :func:`write_file` (on the main process);
+    ``copied``: bytes copied to host memory; ``floating``: ``(rel, key,
+    copy)`` of every floating tensor copied (for :meth:`find_nonfinite`)."""
+
+    files: list = field(default_factory=list)
+    copied: int = 0
+    storages: list = field(default_factory=list)  # the host buffers, back to the pool after the write
+    floating: list = field(default_factory=list)
+
+    def find_nonfinite(self) -> tuple | None:
+        """``(rel, key, value)`` of the first copied tensor holding a NaN or an
+        infinity, or None: one fused reduction over the host copy
+        (:func:`~.finite.first_nonfinite`), off the training thread."""
+        bad = finite.first_nonfinite(t for *_, t in self.floating)
+        if bad is None:
+            return None
+        rel, key, t = self.floating[bad]
+        flat = t.detach().reshape(-1)
+        return rel, "".join(f"[{k!r}]" for k in key), flat[~flat.isfinite()][0].item()
+
+    def release(self, acc) -> None:
+        """The write is done: its host buffers serve the next copy."""
+        pool = _POOLS.setdefault(acc, {})
+        for storage in self.storages:
+            pool.setdefault((storage.nbytes(), storage.is_pinned()), []).append(storage)
+        self.storages, self.files, self.floating = [], [], []
+
+
+#: accelerator -> host buffers by (bytes, pinned), from its last save
+_POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class _Copier:
+    """Copies tensors to host memory, each storage once, listing the
+    floating copies (``check``) for :meth:`Snapshot.find_nonfinite`."""
+
+    def __init__(self, pool: dict, check: bool):
+        self.pool = pool
+        self.checking = check
+        self.storages: dict[tuple[Any, int], Any] = {}  # (device, data_ptr) -> host storage
+        self.copied = 0
+        self.floating: list[tuple[str, tuple[Any, ...], Any]] = []  # (rel, key, host copy)
+
+    def _host_storage(self, source, device):
+        nbytes = source.nbytes()
+        pinned = device.type == "cuda"
+        free = self.pool.get((nbytes, pinned))
+        host = free.pop() if free else torch.empty(nbytes, dtype=torch.uint8,
+                                                   pin_memory=pinned).untyped_storage()
+        host.copy_(source, non_blocking=pinned)
+        self.copied += nbytes
+        return host
+
+    def tensor(self, t: torch.Tensor, rel: str, key: tuple) -> torch.Tensor:
+        source = t.untyped_storage()
+        where = (t.device, source.data_ptr())
+        host = self.storages.get(where)
+        if host is None:
+            host = self.storages[where] = self._host_storage(source, t.device)
+        copied = torch.empty((0,), dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
+        if t.requires_grad and t.is_leaf:
+            copied.requires_grad_(True)
+        if self.checking and (t.is_floating_point() or t.is_complex()):
+            self.floating.append((rel, key, copied))
+        return copied
+
+    def copy(self, obj, rel: str, key: tuple = ()):
+        """``obj`` with every tensor copied and every container new (in its
+        own type and order, so that it pickles as ``obj`` does); ``key``:
+        the path to ``obj`` (formatted only for an error)."""
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj, rel, key)
+        if isinstance(obj, dict):
+            new = obj.__class__() if type(obj) in (dict, OrderedDict) else _copy.copy(obj)
+            for k, v in obj.items():
+                new[k] = self.copy(v, rel, (*key, k))
+            return new
+        if isinstance(obj, list):
+            return [self.copy(v, rel, (*key, i)) for i, v in enumerate(obj)]
+        if type(obj) is tuple:
+            return tuple(self.copy(v, rel, (*key, i)) for i, v in enumerate(obj))
+        if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
+            return obj
+        return _copy.deepcopy(obj)  # anything else a state dict may hold: its own copy
+
+
+def host_copy(acc, files: list, check: bool = True) -> Snapshot:
+    """The files to write (``[rel, kind, state, metadata]``) with every
+    tensor copied to host memory; their floating tensors listed for
+    :meth:`Snapshot.find_nonfinite` (``check``)."""
+    out = Snapshot(files)
+    copier = _Copier(_POOLS.setdefault(acc, {}), check)
+    for entry in out.files:
+        entry[2] = copier.copy(entry[2], entry[0])
+    if any(device.type == "cuda" for device, _ in copier.storages):
+        torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
+    out.floating = copier.floating
+    out.copied = copier.copied
+    out.storages = list(copier.storages.values())
+    return out
 
 
 # -- one background save per loop ------------------------------------------------------

@@ -10,6 +10,7 @@ from .gradclip import GradClip
 from .logger import Logger
 from .loss import DefaultLoss
 from .metrics import DefaultMetrics
+from .preemption import Preemption
 from .progress import ProgressBar
 from .sample_grid import SampleGrid
 from .accumulation import GradientAccumulationScheduler
@@ -28,6 +29,7 @@ BUILTINS = {
     "logger": Logger,
     "loss": DefaultLoss,
     "metrics": DefaultMetrics,
+    "preemption": Preemption,
     "progress": ProgressBar,
     "samples": SampleGrid,
     "accumulation-scheduler": GradientAccumulationScheduler,
@@ -40,6 +42,6 @@ BUILTINS = {
     "trainer-callbacks": TrainerCallbacks,
 }
 
-__all__ = ["BUILTINS", "Checkpoint", "FiniteCheck", "NonFiniteLoss", "DefaultLoss", "DefaultMetrics", "GradClip", "Logger", "ProgressBar", "SampleGrid"]
+__all__ = ["BUILTINS", "Checkpoint", "FiniteCheck", "NonFiniteLoss", "DefaultLoss", "DefaultMetrics", "GradClip", "Logger", "Preemption", "ProgressBar", "SampleGrid"]
 __all__ += ["GradientAccumulationScheduler", "LambdaCallback", "LearningRateMonitor", "ModelSummary",
             "ThroughputMonitor", "Timer", "TrainLoss"]

@@ -123,6 +123,10 @@ class FiniteCheck:
     def on_fit_end(self, loop):
         self.check(loop)
 
+    @hookimpl
+    def before_save_checkpoint(self, loop):
+        self.check(loop)  # never publish a checkpoint of a run whose loss went NaN
+
     def check(self, loop) -> None:
         """Check the losses kept since the last check (one device sync);
         raise :class:`NonFiniteLoss` for the first bad one."""

@@ -76,7 +76,8 @@ class GradClip:
         else:
             accelerator.clip_grad_value_(network.model.parameters(), self.max_value)
 
-    def first_nonfinite_update(self, after: int = 0) -> tuple[int, str, str] | None:
+    @hookimpl
+    def first_nonfinite_update(self, after: int) -> tuple[int, str, str] | None:
         """``(update, network, what)`` of the first update after ``after``
         whose gradient norm was NaN or infinite, or None (checks the kept
         norms: one device sync)."""
