@@ -226,7 +226,7 @@ class Loop:
 
         Enter it once per batch with every model the batch trains: Accelerate
         counts one micro-step per entry."""
-        return self.accelerator.accumulate(*models) if self._accumulating else _NULL
+        return self.accelerator.accumulate(*models) if self.accumulating else _NULL
 
     @property
     def total_steps(self) -> int | None:
@@ -327,7 +327,7 @@ class Loop:
         else:
             self.hook.on_epoch_start(loop=self, epoch=state.epoch)
             state.epoch_start = rng.capture_epoch(self.train_data)
-            batches = self._fastpath.batches(self.train_data)
+            batches = self.fastpath.batches(self.train_data)
         return self._train(batches, eval_every, loaders_before)
 
     def _train(self, batches: Iterable[Any], eval_every: int | None, loaders_before: list[Any]) -> str:
@@ -340,7 +340,7 @@ class Loop:
         in_group = 0  # batches of the current accumulation group trained so far
         length = length_of(self.train_data)  # batches in a whole epoch, if known
         prepared = isinstance(self.train_data, DataLoaderStateMixin)  # knows its last batch
-        logbook, agreement, at_end = self._logbook, self._agreement, self._fastpath.end_of_dataloader
+        logbook, agreement, at_end = self._logbook, self._agreement, self.fastpath.end_of_dataloader
         # calls of nothing left out (the relay is this epoch's: see relay.unimplemented)
         quiet_before, quiet_safe = hook.unimplemented(("before_step",)), hook.unimplemented(("on_safe_point",))
         for batch in batches:
@@ -461,9 +461,14 @@ class Loop:
         a fit starts at an update boundary."""
         acc = self.accelerator
         self._accumulation: int = acc.gradient_accumulation_steps
-        self._accumulating = self._accumulation > 1
+        #: whether this fit accumulates gradients (``loop.accumulate`` enters Accelerate's then)
+        self.accumulating = self._accumulation > 1
         acc.step = 0
-        self._fastpath = FastPath(acc)
+        #: the accelerator's per-step calls without their per-call lookups
+        #: (:class:`~hookloop.accelerate_fastpath.FastPath`: ``backward``, ``step``,
+        #: ``scheduler_step``, ``zero_grad``, ``update``), what the strategy kit
+        #: steps with; a new one whenever the accumulation changes
+        self.fastpath = FastPath(acc)
 
     def _change_accumulation(self, new: int, in_group: int) -> int:
         """``gradient_accumulation_steps`` changed between two batches: taken
@@ -608,7 +613,7 @@ class Loop:
             network.optimizer = network.scheduler = None
         self.train_data = self.eval_data = None
         self._prepared = weakref.WeakKeyDictionary()
-        self._fastpath.forget()
+        self.fastpath.forget()
         try:
             self._logbook.trackers.end()
             self.accelerator.free_memory()

@@ -72,8 +72,8 @@ for accumulation in (1, 2):
         "trained": not torch.equal(initial, mine),
         "ranks_agree": bool(torch.equal(gathered[0], gathered[1])),
         "accelerate_lookups": lookups,
-        "fast_step": loop._fastpath.is_fast(loop.networks["model"].optimizer),
-        "plain_backward": loop._fastpath.plain_backward,
+        "fast_step": loop.fastpath.is_fast(loop.networks["model"].optimizer),
+        "plain_backward": loop.fastpath.plain_backward,
         "ddp": type(loop.networks["model"].model).__name__,
     }
     # the loops close at exit (hookloop.Loop.close drops the prepared objects

@@ -116,7 +116,8 @@ from .runs import describe_run, newest_run  # noqa: F401
 __all__ = [
     "CheckpointError", "CheckpointPolicy", "NonFiniteCheckpoint", "Resume", "RunIdentity", "Staged",
     "best_checkpoint_path", "best_checkpoints", "check_writable", "checkpoint_name",
-    "checkpoint_plugins", "checkpoint_root", "checkpoint_roots", "clean", "default_directory", "find", "first_nonfinite",
+    "checkpoint_plugins", "checkpoint_root", "checkpoint_roots", "clean", "default_directory", "find",
+    "first_nonfinite",
     "first_nonfinite_update", "foreign_checkpoints", "list_checkpoints", "load", "load_script",
     "load_weights", "owns", "read_latest", "read_manifest", "resolve", "run_identity", "run_settings",
     "save", "script_folder", "stage", "stateful_plugins",

@@ -1,17 +1,13 @@
 """Everything that knows Accelerate's side of a checkpoint, in one place: the
 names of the files ``accelerator.save_state`` writes, the accelerator's
-private lists of prepared objects (``_models``, ``_optimizers``,
-``_schedulers``, ``_custom_objects``, ``_dataloaders``) and hooks, its
-process state, writing its files as ``save_state`` does, reading them the
-safe way (``weights_only=True``, safetensors), and putting states into its
-objects as ``accelerator.load_state`` does.
-
-When Accelerate changes, this is the module to read again.
+private lists of prepared objects and hooks, its process state, writing its
+files as ``save_state`` does, reading them the safe way (``weights_only=True``,
+safetensors from a memory map), and putting states into its objects as
+``accelerator.load_state`` does. When Accelerate changes, read this again.
 """
 
 from __future__ import annotations
 
-import contextlib
 import random
 import re
 from collections import OrderedDict
@@ -32,29 +28,25 @@ PLAIN_TYPES = {"NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_
                "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON"}
 
 
-# -- file names ----------------------------------------------------------------------
-
-
-def _numbered(stem: str, ext: str, i: int) -> str:
+def numbered(stem: str, i: int, ext: str = "bin") -> str:
     return f"{stem}.{ext}" if i == 0 else f"{stem}_{i}.{ext}"
 
 
 def model_file(i: int) -> str:
-    """``model.safetensors``, ``model_1.safetensors`` ..."""
-    return SAFE_WEIGHTS_NAME if i == 0 else SAFE_WEIGHTS_NAME.replace(".", f"_{i}.")
+    return numbered(SAFE_WEIGHTS_NAME.rsplit(".", 1)[0], i, "safetensors")
 
 
 def legacy_model_file(i: int) -> str:
     """``pytorch_model.bin`` ... (``save_state(safe_serialization=False)``)."""
-    return f"pytorch_model{'_' + str(i) if i else ''}.bin"
+    return numbered("pytorch_model", i)
 
 
 def optimizer_file(i: int) -> str:
-    return _numbered(OPTIMIZER_NAME, "bin", i)
+    return numbered(OPTIMIZER_NAME, i)
 
 
 def scheduler_file(i: int) -> str:
-    return _numbered(SCHEDULER_NAME, "bin", i)
+    return numbered(SCHEDULER_NAME, i)
 
 
 def custom_file(i: int) -> str:
@@ -63,12 +55,10 @@ def custom_file(i: int) -> str:
 
 
 def rng_file(rank: int) -> str:
-    """``random_states_<rank>.pkl``."""
     return f"{RNG_STATE_NAME}_{rank}.pkl"
 
 
 def written_by_save_state(path) -> bool:
-    """Whether a directory looks written by ``accelerator.save_state``."""
     return any((path / name).is_file() for name in (model_file(0), legacy_model_file(0),
                                                     optimizer_file(0), rng_file(0)))
 
@@ -84,10 +74,6 @@ def optimizers(acc) -> list:
     return acc._optimizers
 
 
-def schedulers(acc) -> list:
-    return acc._schedulers
-
-
 def custom_objects(acc) -> list:
     return acc._custom_objects
 
@@ -98,21 +84,15 @@ def kind(acc) -> str:
 
 
 def process_index() -> int:
-    """This process's rank, from Accelerate's process state (0 without one)."""
     from accelerate.state import PartialState
 
     return PartialState._shared_state.get("process_index", 0)
 
 
 def process_count() -> int:
-    """The number of processes, from Accelerate's process state (1 without one)."""
     from accelerate.state import PartialState
 
     return PartialState._shared_state.get("num_processes", 1)
-
-
-def index_of(objects, obj) -> int | None:
-    return next((i for i, o in enumerate(objects) if o is obj), None)
 
 
 def scheduler_objects(acc) -> list:
@@ -132,38 +112,53 @@ def counts(acc) -> dict:
 
 def class_name(obj) -> str:
     """The class of an optimizer or scheduler, unwrapped from Accelerate's."""
-    from accelerate.optimizer import AcceleratedOptimizer
-    from accelerate.scheduler import AcceleratedScheduler
-
-    inner = obj.optimizer if isinstance(obj, AcceleratedOptimizer) else \
-        obj.scheduler if isinstance(obj, AcceleratedScheduler) else obj
-    return f"{type(inner).__module__}.{type(inner).__qualname__}"
+    inner = getattr(obj, "optimizer", None) or getattr(obj, "scheduler", None) \
+        if type(obj).__module__.startswith("accelerate.") else None
+    return f"{type(inner or obj).__module__}.{type(inner or obj).__qualname__}"
 
 
-@contextlib.contextmanager
-def manual_naming(acc):
-    """``save_state(dir)`` writes elsewhere when automatic naming is on: off
-    for this call."""
-    config = acc.project_configuration
-    automatic, config.automatic_checkpoint_naming = config.automatic_checkpoint_naming, False
-    try:
-        yield
-    finally:
-        config.automatic_checkpoint_naming = automatic
+def describe(loop, files, unprepared=None) -> dict:
+    """Which of Accelerate's files holds each network's model, optimizer and
+    scheduler: ``files(part, i)`` names the i-th prepared one's;
+    ``unprepared(name, net, part)`` the entry of one Accelerate did not
+    prepare, or None (refused)."""
+    acc, out = loop.accelerator, {}
+    for name, net in loop.networks.items():
+        entry: dict[str, Any] = {}
+        for part, objects in (("model", acc._models), ("optimizer", acc._optimizers),
+                              ("scheduler", scheduler_objects(acc))):
+            obj = getattr(net, part)
+            # (Accelerate keeps DDP's inner module)
+            i = next((i for i, o in enumerate(objects) if o is obj or (part == "model" and o is net.unwrapped)), None)
+            if obj is None or i is not None:
+                entry[part] = None if obj is None else files(part, i)
+            elif unprepared is not None and (own := unprepared(name, net, part)):
+                entry[part] = own
+            else:
+                raise CheckpointError(f"network {name!r}: its {part} was not prepared by loop.accelerator, "
+                                      "so accelerator.save_state would not save it. Let the Loop prepare it "
+                                      "(prepare=True), or prepare it with the same accelerator.")
+        out[name] = entry
+    return out
 
 
 # -- writing, as save_state does ------------------------------------------------------------
 
 
 def save_state(acc, folder) -> None:
-    """``accelerator.save_state(folder)`` itself (the sharded formats)."""
-    with manual_naming(acc):
+    """``accelerator.save_state(folder)`` itself (the sharded formats), with
+    automatic naming off for the call (it would write elsewhere)."""
+    config = acc.project_configuration
+    automatic, config.automatic_checkpoint_naming = config.automatic_checkpoint_naming, False
+    try:
         acc.save_state(str(folder))
+    finally:
+        config.automatic_checkpoint_naming = automatic
 
 
 def heavy_states(acc, folder) -> list:
-    """What ``save_state`` writes of the models and optimizers, not written
-    yet: ``[rel, kind, state, metadata]`` of this process's share (the main
+    """What ``save_state`` writes of the models and optimizers:
+    ``[rel, kind, state, metadata]`` of this process's share (the main
     process's, as Accelerate's ``save``), after the
     ``register_save_state_pre_hook`` hooks saw the weights."""
     from accelerate.state import PartialState
@@ -175,19 +170,15 @@ def heavy_states(acc, folder) -> list:
     state = PartialState()
     if not (state.is_local_main_process if acc.project_configuration.save_on_each_node else state.is_main_process):
         return []
-    out = []
-    for i, weight in enumerate(weights):
-        if isinstance(weight, OrderedDict):  # as accelerate.utils.save does
-            weight = clean_state_dict_for_safetensors(weight)
-        out.append([model_file(i), "safetensors", weight, {"format": "pt"}])
+    out = [[model_file(i), "safetensors", clean_state_dict_for_safetensors(w) if isinstance(w, OrderedDict) else w,
+            {"format": "pt"}] for i, w in enumerate(weights)]  # (cleaned as accelerate.utils.save does)
     return out + [[optimizer_file(i), "torch", o.state_dict(), None] for i, o in enumerate(acc._optimizers)]
 
 
 def save_small_files(acc, folder) -> None:
-    """The rest of ``save_state``, byte for byte its files: schedulers,
-    samplers and loader states, the scaler, this process's random states,
-    the registered objects; and the save counted in
-    ``project_configuration.iteration``."""
+    """The rest of ``save_state``, byte for byte its files (schedulers,
+    samplers and loader states, the scaler, this process's random states, the
+    registered objects), and the save counted in ``project_configuration``."""
     from accelerate.checkpointing import save_accelerator_state, save_custom_state
     from accelerate.state import PartialState
 
@@ -212,18 +203,15 @@ def torch_load(source, rel: str, where: str, what: str):
     from accelerate.utils import load as accelerate_load
 
     try:
-        if isinstance(source, bytes):
-            return accelerate_load(io.BytesIO(source), map_location="cpu")
-        with source.reader() as f:
+        with io.BytesIO(source) if isinstance(source, bytes) else source.reader() as f:
             return accelerate_load(f, map_location="cpu")
     except Exception as exc:  # noqa: BLE001
         text = str(exc)
         if "weights_only" in text or "Unpickl" in type(exc).__name__ or "Weights only" in text:
             found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
-            detail = f": it refers to {found.group(1)}" if found else ""
-            raise CheckpointError(f"{where}: cannot read {what} from {rel}: it is corrupt, or it "
-                                  "holds objects other than tensors and plain data, which hookloop "
-                                  f"never unpickles{detail}") from None
+            raise CheckpointError(f"{where}: cannot read {what} from {rel}: it is corrupt, or it holds "
+                                  "objects other than tensors and plain data, which hookloop never unpickles"
+                                  + (f": it refers to {found.group(1)}" if found else "")) from None
         raise CheckpointError(f"{where}: cannot read {what} from {rel}: it is corrupt "
                               f"({type(exc).__name__}: {first_line(exc)})") from None
 
@@ -234,55 +222,40 @@ _DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "
            "C64": "complex64"}
 
 
-def safetensors_header(opened: safe_read.Opened) -> tuple[dict, int]:
-    """The header of a safetensors file, parsed with a size and depth limit,
-    and where its data starts; :class:`CheckpointError` if it is not one."""
-    head = opened.read_at(0, 8)
-    if len(head) < 8:
-        raise CheckpointError(f"{opened.size} bytes, too short for a safetensors header")
-    length = int.from_bytes(head, "little")
-    if length > min(safe_read.HEADER_LIMIT, opened.size - 8):
-        raise CheckpointError(f"its header claims {length} bytes, the file has {opened.size}")
-    header = safe_read.loads_json(opened.read_at(8, length), opened.file)
-    bad = CheckpointError("its header is not a safetensors header")
-    if not isinstance(header, dict):
-        raise bad
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        shape, offsets = (entry.get("shape"), entry.get("data_offsets")) if isinstance(entry, dict) else (None, None)
-        if not (isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2
-                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape + offsets)
-                and entry.get("dtype") in _DTYPES and offsets[0] <= offsets[1] <= opened.size - 8 - length):
-            raise bad
-    return header, 8 + length
-
-
 def safetensors_load(opened: safe_read.Opened, rel: str, where: str, what: str) -> dict:
-    """The tensors of a safetensors file, read from its open descriptor's
-    memory map (the pages are read when first touched: by the checks, then
-    by ``load_state_dict``)."""
+    """The tensors of a safetensors file, from its open descriptor's memory
+    map (the pages are read when first touched: by the checks, then by
+    ``load_state_dict``); its header parsed with a size and depth limit."""
+    def corrupt(why):
+        return CheckpointError(f"{where}: cannot read {what} from {rel}: it is corrupt ({why})")
+
+    length = int.from_bytes(opened.read_at(0, 8), "little")
+    if opened.size < 8 or length > min(safe_read.HEADER_LIMIT, opened.size - 8):
+        raise corrupt(f"its header claims {length} bytes, the file has {opened.size}")
     try:
-        header, base = safetensors_header(opened)
+        header = safe_read.loads_json(opened.read_at(8, length), opened.file)
     except CheckpointError as exc:
-        raise CheckpointError(f"{where}: cannot read {what} from {rel}: it is corrupt ({exc})") from None
-    mapped = opened.mmap()
-    out = {}
+        raise corrupt(exc) from None
+    mapped, base, out = opened.mmap(), 8 + length, {}
+    if not isinstance(header, dict):
+        raise corrupt("its header is not a safetensors header")
     for key, entry in header.items():
         if key == "__metadata__":
             continue
+        shape, offsets = (entry.get("shape"), entry.get("data_offsets")) if isinstance(entry, dict) else (0, 0)
+        if not (isinstance(entry, dict) and isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape + offsets)
+                and entry.get("dtype") in _DTYPES and offsets[0] <= offsets[1] <= opened.size - base):
+            raise corrupt("its header is not a safetensors header")
         dtype = getattr(torch, _DTYPES[entry["dtype"]])
-        start, end = (base + n for n in entry["data_offsets"])
-        numel = int(np.prod(entry["shape"], dtype=np.int64))
-        if (end - start) != numel * dtype.itemsize:
-            raise CheckpointError(f"{where}: cannot read {what} from {rel}: it is corrupt (tensor "
-                                  f"{key!r} has {end - start} bytes for shape {entry['shape']})")
+        start, end, numel = base + offsets[0], base + offsets[1], int(np.prod(shape, dtype=np.int64))
+        if end - start != numel * dtype.itemsize:
+            raise corrupt(f"tensor {key!r} has {end - start} bytes for shape {shape}")
         if numel == 0:
-            out[key] = torch.empty(entry["shape"], dtype=dtype)
-        elif start % dtype.itemsize:  # unaligned (an old writer): a copy
-            out[key] = torch.frombuffer(bytearray(mapped[start:end]), dtype=dtype).reshape(entry["shape"])
-        else:
-            out[key] = torch.frombuffer(mapped, dtype=dtype, count=numel, offset=start).reshape(entry["shape"])
+            out[key] = torch.empty(shape, dtype=dtype)
+        else:  # (an unaligned tensor, of an old writer: a copy)
+            buffer, at = (mapped, start) if start % dtype.itemsize == 0 else (bytearray(mapped[start:end]), 0)
+            out[key] = torch.frombuffer(buffer, dtype=dtype, count=numel, offset=at).reshape(shape)
     return out
 
 
@@ -304,12 +277,11 @@ def load_model_state(model, state: dict) -> None:
     to_removes = _remove_duplicate_names(model.state_dict(), preferred_names=list(state))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = set(missing)
-    for group in to_removes.values():
-        for name in group:
-            if name in missing:
-                missing.remove(name)
-            else:
-                unexpected.append(name)
+    for name in (n for group in to_removes.values() for n in group):
+        if name in missing:
+            missing.remove(name)
+        else:
+            unexpected.append(name)
     if missing or unexpected:
         raise RuntimeError(f"missing keys {sorted(missing)}, unexpected keys {sorted(unexpected)}")
 
@@ -328,15 +300,14 @@ def restore_rest(acc, staged, custom: list, apply) -> None:
     from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
 
     for i, scheduler in enumerate(scheduler_objects(acc)):
-        apply("a scheduler state", scheduler_file(i),
-              lambda o=scheduler, s=staged.schedulers[i]: o.load_state_dict(s))
+        apply("a scheduler state", scheduler_file(i), lambda o=scheduler, s=staged.schedulers[i]: o.load_state_dict(s))
     where = f"checkpoint {str(staged.path)!r}"
     for i, loader in enumerate(acc._dataloaders):
-        rel = _numbered("sampler", "bin", i)
+        rel = numbered("sampler", i)
         if (isinstance(getattr(loader, "dataset", None), IterableDatasetShard) and rel in staged.extra
                 and isinstance(loader.get_sampler(), SeedableRandomSampler)):
             loader.set_sampler(torch_load(staged.extra[rel], rel, where, "a data loader's sampler"))
-        rel = _numbered("dl_state_dict", "bin", i)
+        rel = numbered("dl_state_dict", i)
         if getattr(loader, "use_stateful_dataloader", False) and rel in staged.extra:
             loader.load_state_dict(torch_load(staged.extra[rel], rel, where, "a data loader's state"))
     if acc.scaler is not None and staged.scaler is not None:
@@ -385,33 +356,3 @@ def restore_rng(acc, states: dict, derive_for: int | None = None) -> None:
         import torch_xla.core.xla_model as xm
 
         xm.set_rng_state(states["xm_seed"])
-
-
-def describe(loop, files, unprepared=None) -> dict:
-    """Which of Accelerate's files holds each network's model, optimizer and
-    scheduler: ``files(part, i)`` names the i-th prepared one's;
-    ``unprepared(name, net, part)`` the entry of one Accelerate did not
-    prepare, or None (refused)."""
-    acc, out = loop.accelerator, {}
-    for name, net in loop.networks.items():
-        entry: dict[str, Any] = {}
-        for part, objects in (("model", acc._models), ("optimizer", acc._optimizers),
-                              ("scheduler", scheduler_objects(acc))):
-            obj = getattr(net, part)
-            i = None if obj is None else index_of(objects, obj)
-            if obj is not None and i is None and part == "model":  # Accelerate keeps DDP's inner module
-                i = index_of(objects, net.unwrapped)
-            if obj is None:
-                entry[part] = None
-            elif i is not None:
-                entry[part] = files(part, i)
-            elif unprepared is not None and (own := unprepared(name, net, part)):
-                entry[part] = own
-            else:
-                raise CheckpointError(
-                    f"network {name!r}: its {part} was not prepared by loop.accelerator, so "
-                    "accelerator.save_state would not save it. Let the Loop prepare it "
-                    "(prepare=True), or prepare it with the same accelerator."
-                )
-        out[name] = entry
-    return out

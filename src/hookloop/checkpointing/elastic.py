@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..rng import translate_epoch, translate_generators
+from . import accelerate as accel
 from .errors import CheckpointError
 
 #: what each recorded run setting decides (shown when a resume differs)
@@ -374,7 +375,7 @@ def scale_schedulers(loop, staged, plan: Plan) -> None:
     if plan.scheduler_ratio is None:
         return
     num, den = plan.scheduler_ratio
-    live = loop.accelerator._schedulers
+    live = accel.scheduler_objects(loop.accelerator)
     per_epoch = {id(n.scheduler) for n in loop.networks.values()
                  if n.scheduler is not None and n.scheduler_interval == "epoch"}
     for i, state in enumerate(staged.schedulers):

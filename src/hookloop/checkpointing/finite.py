@@ -132,7 +132,7 @@ def refusal(loop, root: Path, name: str, step: int, network: str, what: str, val
 # -- loading -----------------------------------------------------------------------------
 
 
-def check_staged_finite(models, optimizers, doc, where) -> None:
+def check_staged_finite(models, optimizers, where) -> None:
     """Raise if a staged model or optimizer state holds a NaN or an infinity."""
     items = []
     for i, state in enumerate(models):

@@ -1,29 +1,27 @@
-"""The formats a network's state takes on disk, each an object that
-describes its files, saves, stages (verifies) and commits them:
+"""The formats a network's state takes on disk, each an object that names its
+files, saves and restores them (staging verifies every file alike):
 
 - :class:`Plain`: Accelerate's unsharded files (``model.safetensors``,
-  ``optimizer.bin``), written by hookloop from the state dicts
-  (:func:`~.accelerate.heavy_states`, a host copy when asynchronous) and
-  read into memory by :mod:`.reading`.
+  ``optimizer.bin``), written by hookloop from the state dicts (a host copy
+  when asynchronous) and read into memory by :mod:`.reading`.
 - :class:`FSDP`: what Accelerate's FSDP (1 or 2) ``save_state`` writes:
   ``SHARDED_STATE_DICT``: ``pytorch_model_fsdp_<i>/`` and ``optimizer_<i>/``,
   each a ``torch.distributed.checkpoint`` (DCP) folder; ``FULL_STATE_DICT``:
-  ``pytorch_model_fsdp.bin`` and ``optimizer.bin`` from rank 0. Read back by
+  ``pytorch_model_fsdp.bin`` and ``optimizer.bin`` from rank 0; read back by
   Accelerate's ``load_fsdp_model`` / ``load_fsdp_optimizer``.
-- :class:`DeepSpeed`: the engine's ``pytorch_model/`` folder; read back by the
-  engine's ``load_checkpoint``. :class:`Megatron`: Megatron-LM's own layout,
-  read back by ``accelerator.load_state``.
+- :class:`DeepSpeed`: the engine's ``pytorch_model/`` folder, read back by its
+  ``load_checkpoint``; :class:`Megatron`: Megatron-LM's layout, read back by
+  ``accelerator.load_state``.
 - ``dcp``, per network: a model the user sharded (``fully_shard``,
-  ``Loop(prepare=False)``), written by hookloop as ``dcp/<network>/`` (one DCP
-  folder of ``{"model", "optimizer"}``, and ``scheduler.bin``); read back with
-  ``dcp.load`` and ``set_state_dict``.
+  ``Loop(prepare=False)``), written by hookloop as ``dcp/<network>/`` (a DCP
+  folder of ``{"model", "optimizer"}``, and ``scheduler.bin``).
 
 The manifest's ``sharding`` says which (absent: plain), and which rank wrote
-which shard file. Each rank checksums the shards it wrote, and on resume
-verifies them (rank 0 the shared files) before anything is loaded. DCP's own
-files are read without trusting them: its ``.metadata`` (a pickle) with an
-unpickler that knows only DCP's classes, the non-tensor items of its shards
-with ``weights_only=True`` first.
+which shard. Each rank checksums the shards it wrote, and on resume verifies
+them (rank 0 the shared files) before anything is loaded. DCP's files are
+read without trusting them: its ``.metadata`` (a pickle) with an unpickler
+that knows only DCP's classes, the non-tensor items of its shards with
+``weights_only=True`` first.
 """
 
 from __future__ import annotations
@@ -54,9 +52,9 @@ class Plain:
     """Accelerate's unsharded format."""
 
     name = PLAIN
-    #: whether hookloop writes the files itself from the state dicts (else ``save_state``)
+    #: hookloop writes the files itself from the state dicts (else ``save_state``)
     writes_itself = True
-    #: whether :meth:`restore` restores everything ``load_state`` does (not only the networks)
+    #: :meth:`restore` restores everything ``load_state`` does, not only the networks
     whole = False
 
     def manifest(self) -> dict:
@@ -69,8 +67,7 @@ class Plain:
 
     def save(self, loop, tmp: Path) -> list:
         """Every rank: write what ``save_state`` writes; return the files left
-        to write (:func:`~.accelerate.heavy_states`: the plain format's models
-        and optimizers, written by :mod:`.writer`)."""
+        for :mod:`.writer` (the plain format's models and optimizers)."""
         if not self.writes_itself:
             accel.save_state(loop.accelerator, tmp)
             return []
@@ -79,19 +76,22 @@ class Plain:
         return heavy
 
     def restore(self, loop, staged, apply) -> None:
-        """The models and optimizers into the accelerator's, from ``staged``."""
-        acc = loop.accelerator
-        for i, model in enumerate(accel.models(acc)):
+        """The models and optimizers, into the accelerator's."""
+        for i, model in enumerate(accel.models(loop.accelerator)):
             apply(f"the weights of accelerator model #{i}", accel.model_file(i),
                   lambda m=model, s=staged.models[i]: accel.load_model_state(m, s))
-        for i, opt in enumerate(accel.optimizers(acc)):
+        for i, opt in enumerate(accel.optimizers(loop.accelerator)):
             apply("an optimizer state", accel.optimizer_file(i),
                   lambda o=opt, s=staged.optimizers[i]: o.load_state_dict(s))
 
+    def shapes(self, loop) -> dict:
+        """``{DCP folder: (key prefix, {name: shape}, network)}`` of the models
+        whose shapes DCP's metadata records."""
+        return {}
+
 
 class FSDP(Plain):
-    name = FSDP_
-    writes_itself = False
+    name, writes_itself = FSDP_, False
 
     def __init__(self, version: int, state_dict_type: str):
         self.version, self.state_dict_type = version, state_dict_type
@@ -103,7 +103,7 @@ class FSDP(Plain):
         if part == "scheduler":
             return accel.scheduler_file(i)
         if self.state_dict_type == "FULL_STATE_DICT":
-            return f"pytorch_model_fsdp{f'_{i}' if i else ''}.bin" if part == "model" else accel.optimizer_file(i)
+            return accel.numbered("pytorch_model_fsdp", i) if part == "model" else accel.optimizer_file(i)
         return f"pytorch_model_fsdp_{i}" if part == "model" else f"optimizer_{i}"
 
     def restore(self, loop, staged, apply) -> None:
@@ -121,53 +121,43 @@ class FSDP(Plain):
                   lambda o=opt, i=i: load_fsdp_optimizer(plugin, acc, o, models[i], path, i))
 
     def shapes(self, loop) -> dict:
-        """``{DCP folder: (key prefix, {name: shape}, network)}`` of FSDP2's
-        sharded models (FSDP1's state dict is a collective: DCP refuses
-        another shape on load)."""
+        # (FSDP1's state dict is a collective: DCP itself refuses another shape on load)
         if self.version != 2 or self.state_dict_type == "FULL_STATE_DICT":
             return {}
-        owner_of = {entry["model"]: name for name, entry in describe_networks(loop).items()}
-        return {self.file("model", i): ("model.", tensor_shapes(m), owner_of.get(self.file("model", i),
-                                                                             f"accelerator model #{i}"))
+        owner = {entry["model"]: name for name, entry in describe_networks(loop).items()}
+        return {self.file("model", i): ("model.", tensor_shapes(m), owner.get(self.file("model", i),
+                                                                                f"accelerator model #{i}"))
                 for i, m in enumerate(accel.models(loop.accelerator))}
 
 
 class DeepSpeed(Plain):
-    name = DEEPSPEED
-    writes_itself = False
+    name, writes_itself = DEEPSPEED, False
 
     def file(self, part: str, i: int) -> str:
         return accel.scheduler_file(i) if part == "scheduler" else f"pytorch_model{'_' + str(i) if i else ''}"
 
     def restore(self, loop, staged, apply) -> None:
-        path = str(staged.path)
         for i, engine in enumerate(accel.models(loop.accelerator)):
             tag = self.file("model", i)
-            apply(f"the weights of accelerator model #{i}", tag, lambda m=engine, t=tag: m.load_checkpoint(path, t))
+            apply(f"the weights of accelerator model #{i}", tag,
+                  lambda m=engine, t=tag: m.load_checkpoint(str(staged.path), t))
 
 
 class Megatron(Plain):
-    name = MEGATRON
-    writes_itself = False
-    whole = True
+    name, writes_itself, whole = MEGATRON, False, True
 
-    def restore(self, loop, staged, apply) -> None:  # verified; everything read back by Accelerate
+    def restore(self, loop, staged, apply) -> None:
         apply("the Megatron-LM state", str(staged.path), lambda: loop.accelerator.load_state(str(staged.path)))
 
 
 def of_accelerator(acc) -> Plain:
     """The format ``acc``'s ``save_state`` writes."""
-    kind = accel.kind(acc)
-    if kind == "FSDP":
+    if accel.kind(acc) == "FSDP":
         plugin = acc.state.fsdp_plugin
         return FSDP(int(plugin.fsdp_version), getattr(plugin.state_dict_type, "name", str(plugin.state_dict_type)))
-    if kind == "DEEPSPEED":
-        return DeepSpeed()
-    if kind == "MEGATRON_LM":
-        return Megatron()
-    plain = Plain()
-    plain.writes_itself = kind in accel.PLAIN_TYPES
-    return plain
+    fmt = {"DEEPSPEED": DeepSpeed, "MEGATRON_LM": Megatron}.get(accel.kind(acc), Plain)()
+    fmt.writes_itself = fmt.writes_itself and accel.kind(acc) in accel.PLAIN_TYPES
+    return fmt
 
 
 def of_manifest(sharding: dict | None) -> Plain:
@@ -181,8 +171,7 @@ def of_manifest(sharding: dict | None) -> Plain:
 
 
 def user_sharded(model) -> bool:
-    """A model the user sharded: ``fully_shard`` (FSDP2), an FSDP1 wrapper,
-    or DTensor parameters."""
+    """A model the user sharded: ``fully_shard``, an FSDP1 wrapper, DTensor parameters."""
     from torch.distributed.tensor import DTensor
 
     try:
@@ -198,9 +187,8 @@ def _dcp_entry(name, net, part):
     if not user_sharded(net.model):
         return None
     if not _SAFE_NAME.match(name):
-        raise CheckpointError(f"network {name!r}: its model is sharded, and its state is saved in "
-                              f"a folder named after it: give it a name of letters, digits, '_', "
-                              "'.' and '-'")
+        raise CheckpointError(f"network {name!r}: its model is sharded, and its state is saved in a folder "
+                              "named after it: give it a name of letters, digits, '_', '.' and '-'")
     return f"{DCP_DIR}/{name}/" + {"model": "model", "optimizer": "optimizer", "scheduler": "scheduler.bin"}[part]
 
 
@@ -210,19 +198,15 @@ def describe_networks(loop) -> dict:
     return accel.describe(loop, of_accelerator(loop.accelerator).file, unprepared=_dcp_entry)
 
 
-def dcp_networks(loop) -> list[str]:
-    acc = loop.accelerator
-    return [name for name, net in loop.networks.items()
-            if not any(m is net.model or m is net.unwrapped for m in accel.models(acc)) and user_sharded(net.model)]
-
-
 def describe(loop) -> dict | None:
     """The manifest's ``sharding`` for this run, or None: the plain format."""
-    fmt, dcp = of_accelerator(loop.accelerator), dcp_networks(loop)
+    fmt, acc = of_accelerator(loop.accelerator), loop.accelerator
+    dcp = [name for name, net in loop.networks.items() if user_sharded(net.model)
+           and not any(m is net.model or m is net.unwrapped for m in accel.models(acc))]
     if fmt.name == PLAIN and not dcp:
         return None
     return {"accelerate": fmt.manifest(), "networks": {n: DCP for n in dcp},
-            "scheduler_files": len(accel.scheduler_objects(loop.accelerator))}
+            "scheduler_files": len(accel.scheduler_objects(acc))}
 
 
 def check_resume(loop, doc: dict, where: str) -> None:
@@ -234,17 +218,16 @@ def check_resume(loop, doc: dict, where: str) -> None:
         return "the plain format" if s is None else f"{s['accelerate']} with networks {s['networks'] or {}}"
 
     def strip(s):
-        return None if s is None else {k: s.get(k) for k in ("accelerate", "networks")}
+        return None if s is None else (s.get("accelerate"), s.get("networks"))
 
     if strip(saved) != strip(now):
-        raise CheckpointError(f"{where} was written in {show(saved)}; this run saves {show(now)}: "
-                              "resume it with the FSDP / DeepSpeed settings, and the sharding of "
-                              "the networks, that it was written with")
+        raise CheckpointError(f"{where} was written in {show(saved)}; this run saves {show(now)}: resume it "
+                              "with the FSDP / DeepSpeed settings, and the sharding of the networks, that "
+                              "it was written with")
     if saved is not None and doc["num_processes"] != loop.accelerator.num_processes:
-        raise CheckpointError(
-            f"{where} holds sharded states of {doc['num_processes']} process(es); this run has "
-            f"{loop.accelerator.num_processes}: hookloop resumes a sharded checkpoint on the number "
-            "of processes that wrote it")
+        raise CheckpointError(f"{where} holds sharded states of {doc['num_processes']} process(es); this run "
+                              f"has {loop.accelerator.num_processes}: hookloop resumes a sharded checkpoint "
+                              "on the number of processes that wrote it")
 
 
 def owner(rel: str) -> int | None:
@@ -253,25 +236,24 @@ def owner(rel: str) -> int | None:
     return None if match is None else int(next(g for g in match.groups() if g is not None))
 
 
-# -- saving the shards -------------------------------------------------------------------
+# -- the shards ------------------------------------------------------------------------------
 
 
 def save_sharded(loop, tmp: Path, sharding: dict) -> dict:
-    """Every rank, after ``save_state``: write the networks the user sharded
-    (``dcp/<network>/``), then fsync and checksum the shard files this rank
-    wrote: ``{rel: (size, crc32)}``."""
+    """Every rank, after ``save_state``: write the networks the user sharded,
+    then fsync and checksum the shard files this rank wrote:
+    ``{rel: (size, crc32)}``."""
     from torch.distributed.checkpoint import state_dict_saver  # dcp.save, as its module exports it
 
-    acc = loop.accelerator
     for name in sharding["networks"]:
         net, folder = loop.networks[name], tmp / DCP_DIR / name
         state_dict_saver.save(_dcp_state(net), checkpoint_id=str(folder))
-        if net.scheduler is not None and acc.is_main_process:
+        if net.scheduler is not None and loop.accelerator.is_main_process:
             torch.save(net.scheduler.state_dict(), folder / "scheduler.bin")
     own = {}
     for file in sorted(tmp.rglob("*")):
         rel = file.relative_to(tmp).as_posix()
-        if file.is_file() and owner(rel) == acc.process_index:
+        if file.is_file() and owner(rel) == loop.accelerator.process_index:
             fsync_file(file)
             with open(file, "rb") as f:
                 own[rel] = (file.stat().st_size, crc32_fd(f.fileno(), file.stat().st_size))
@@ -280,15 +262,12 @@ def save_sharded(loop, tmp: Path, sharding: dict) -> dict:
 
 def gather(acc, own: dict, sharding: dict) -> dict:
     """Every rank: each rank's checksummed files, to the main process
-    (``known``: ``{rel: (size, crc)}``), and ``sharding.shards`` (rank -> its
-    files) for the manifest."""
+    (``known``: ``{rel: (size, crc)}``), and ``sharding.shards`` for the manifest."""
     from accelerate.utils import gather_object
 
     parts = gather_object([(acc.process_index, own)]) if acc.num_processes > 1 else [(0, own)]
-    known: dict[str, Any] = {}
-    for _, files in parts:
-        known.update(files)
-    return {"known": known, "manifest": {**sharding, "shards": {str(r): sorted(f) for r, f in parts}}}
+    return {"known": {rel: v for _, files in parts for rel, v in files.items()},
+            "manifest": {**sharding, "shards": {str(r): sorted(f) for r, f in parts}}}
 
 
 def _dcp_state(net) -> dict:
@@ -298,9 +277,6 @@ def _dcp_state(net) -> dict:
         return {"model": get_model_state_dict(net.model)}
     model_state, optimizer_state = get_state_dict(net.model, net.optimizer)
     return {"model": model_state, "optimizer": optimizer_state}
-
-
-# -- verifying and loading the shards ------------------------------------------------------
 
 
 @dataclass
@@ -313,37 +289,27 @@ class Sharded:
     #: DCP folder -> its ``.metadata``, read safely
     metadata: dict = field(default_factory=dict)
 
-    @property
-    def accelerate(self) -> str:
-        return self.doc["accelerate"]["format"]
-
-
-def _read_elsewhere(rel: str) -> bool:
-    """Files the rest of staging reads (each rank its own per-rank files)."""
-    return "/" not in rel and (rel in (TENSORS_FILE, accel.SCALER_FILE) or bool(accel.LOADER_FILE.match(rel))
-                               or rel.startswith(("random_states_", "hookloop-rank", "scheduler",
-                                                  "custom_checkpoint_")))
-
 
 def stage_sharded(folder, rank: int) -> Sharded:
-    """Verify this rank's share of a sharded checkpoint (:class:`~.reading.Folder`
-    ``folder``): the shard files it wrote and (rank 0) every other file the
-    plain staging does not read; every DCP ``.metadata`` (read safely) and the
-    non-tensor items of its shards (``weights_only=True``)."""
+    """Verify this rank's share of a sharded checkpoint (a
+    :class:`~.reading.Folder`): every DCP ``.metadata`` (read safely), the
+    shard files it wrote and (rank 0) every other file the plain staging does
+    not read, and the non-tensor items of its shards (``weights_only=True``)."""
     doc = folder.doc
     out = Sharded(doc["sharding"])
     for part in sorted({rel.rsplit("/", 1)[0] for rel in doc["files"] if rel.endswith("/.metadata")}):
-        out.metadata[part] = folder.metadata(part)  # (every rank reads every DCP folder's, safely)
+        out.metadata[part] = folder.metadata(part)
+    elsewhere = re.compile(r"^(random_states_|hookloop-rank|scheduler|custom_checkpoint_|sampler|dl_state_dict)")
     for rel in sorted(doc["files"]):
-        if _read_elsewhere(rel) or (owner(rel) or 0) != rank or rel.endswith("/.metadata"):
-            continue
+        if (("/" not in rel and (rel in (TENSORS_FILE, accel.SCALER_FILE) or elsewhere.match(rel)))
+                or (owner(rel) or 0) != rank or rel.endswith("/.metadata")):
+            continue  # (read by the rest of staging, each rank its own; or another rank's)
         part = rel.rsplit("/", 1)[0] if "/" in rel else None
         with folder.open(rel, f"a shard of {part}" if part else f"the sharded state file {rel}") as opened:
-            if rel.endswith(".distcp") and f"{part}/.metadata" in doc["files"]:
-                _check_items(folder.metadata(part), rel, opened, folder.where)
+            if rel.endswith(".distcp") and part in out.metadata:
+                _check_items(out.metadata[part], rel, opened, folder.where)
     for name in out.doc["networks"]:
-        rel = f"{DCP_DIR}/{name}/scheduler.bin"
-        if rel in doc["files"]:
+        if (rel := f"{DCP_DIR}/{name}/scheduler.bin") in doc["files"]:
             out.schedulers[name] = folder.torch(rel, f"the scheduler state of network {name!r}")
     return out
 
@@ -372,19 +338,24 @@ def restore_dcp(loop, staged, apply) -> None:
 def check_shapes(loop, sharded: Sharded, where: str) -> None:
     """The tensor names and shapes in each DCP ``.metadata`` against the
     models' (what the safetensors headers are for the plain format)."""
-    fmt = of_manifest(sharded.doc)
-    expected = fmt.shapes(loop) if isinstance(fmt, FSDP) else {}
-    for name in sharded.doc["networks"]:
-        from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
+    from .reading import compare_shapes
+
+    expected = of_manifest(sharded.doc).shapes(loop)
+    for name in sharded.doc["networks"]:
         if not isinstance(loop.networks[name].model, FullyShardedDataParallel):
             expected[f"{DCP_DIR}/{name}"] = ("model.", tensor_shapes(loop.networks[name].model), name)
     for part, (prefix, shapes, network) in expected.items():
         if part in sharded.metadata:
-            _compare(sharded.metadata[part], prefix, shapes, network, where, f"{part}/.metadata")
+            saved = {k[len(prefix):]: tuple(v.size) for k, v in sharded.metadata[part].state_dict_metadata.items()
+                     if k.startswith(prefix) and getattr(v, "size", None) is not None}
+            compare_shapes(saved, shapes, network, where, f"{part}/.metadata")
 
 
-# -- DCP's files, not trusted ---------------------------------------------------------------
+def tensor_shapes(model) -> dict:
+    return {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
 
 _ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
             ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
@@ -433,25 +404,3 @@ def _check_items(metadata, rel, opened, where) -> None:
             raise CheckpointError(f"{where}: {rel} stores {index.fqn!r} through storage transforms "
                                   f"({info.transform_descriptors}), which hookloop does not verify")
         accel.torch_load(opened.read_at(info.offset, info.length), rel, where, f"the item {index.fqn!r}")
-
-
-def tensor_shapes(model) -> dict:
-    return {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-
-
-def _compare(metadata, prefix: str, expected: dict, network: str, where: str, rel: str) -> None:
-    saved = {k[len(prefix):]: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
-             if k.startswith(prefix) and getattr(v, "size", None) is not None}
-    for key, shape in saved.items():
-        if key not in expected:
-            raise CheckpointError(f"{where}: network {network!r} has a tensor {key!r} (shape "
-                                  f"{list(shape)}) in {rel} that this model does not have: a model "
-                                  "of another architecture?")
-        if expected[key] != shape:
-            raise CheckpointError(f"{where}: network {network!r} tensor {key!r} has shape "
-                                  f"{list(shape)} in the checkpoint ({rel}) but "
-                                  f"{list(expected[key])} in this model")
-    missing = sorted(set(expected) - set(saved))
-    if missing:
-        raise CheckpointError(f"{where}: network {network!r} tensor {missing[0]!r} is not in the "
-                              f"checkpoint ({rel}): a model of another architecture?")

@@ -1,8 +1,6 @@
-"""Names and places: what the files and directories of a checkpoint root
-are called, the ``latest`` pointer, the run folders, and cleaning a root.
-
-Nothing here reads a checkpoint's content (:mod:`.manifest` does).
-"""
+"""Names and places: the files and directories of a checkpoint root, the
+``latest`` pointer, the run folders, cleaning a root. Nothing here reads a
+checkpoint's content (:mod:`.manifest` does)."""
 
 from __future__ import annotations
 
@@ -40,8 +38,7 @@ def checkpoint_name(global_step: int, epoch_end: bool = False) -> str:
 
 
 def sort_key(path: Path):
-    """The order of checkpoints: by step, an epoch-end one after the
-    mid-epoch one of the same step, then by generation."""
+    """The order of checkpoints: by step, epoch-end after mid-epoch, then by generation."""
     match = NAME_PATTERN.match(path.name)
     if match is None:
         raise ValueError(f"{path}: not a checkpoint's name (step-<N>[-epoch-end][.<n>])")
@@ -59,7 +56,7 @@ def next_generation(path: Path) -> Path:
 
 
 def list_checkpoints(root) -> list[Path]:
-    """The checkpoint directories in ``root``, oldest first. Not validated."""
+    """The checkpoint directories in ``root``, oldest first (not validated)."""
     root = Path(root)
     if not root.is_dir():
         return []
@@ -67,13 +64,9 @@ def list_checkpoints(root) -> list[Path]:
 
 
 def read_latest(root) -> str | None:
-    """The checkpoint name ``root/latest`` holds (None: no such file, or
-    empty). Read as every file of a root is (:func:`~.safe_read.open_checked`);
-    a name that is not one entry of ``root`` (absolute, ``..``, separators)
-    or text that is not UTF-8 is a :class:`CheckpointError`: ``latest`` is
-    never followed outside its root. A plain name that is not a
-    checkpoint's (a ``.tmp-`` or ``.trash-`` folder ...) is a
-    :class:`NotACheckpointName`."""
+    """The checkpoint name ``root/latest`` holds (None: none), read bounded and
+    confined; never followed out of its root (:class:`CheckpointError`), nor
+    to a ``.tmp-`` or ``.trash-`` folder (:class:`NotACheckpointName`)."""
     file = Path(root) / LATEST
     try:
         raw = safe_read.read_checked(file, root, limit=safe_read.LATEST_LIMIT,
@@ -116,7 +109,7 @@ def read_latest(root) -> str | None:
 
 
 def read_latest_quietly(root) -> str | None:
-    """``latest``'s checkpoint name, or None if it names none or cannot be read."""
+    """``latest``'s checkpoint name, or None if it names none."""
     try:
         return read_latest(root)
     except CheckpointError:
@@ -138,8 +131,7 @@ def write_latest(root: Path, name: str) -> None:
 
 
 def default_directory(accelerator) -> Path:
-    """``<accelerator.project_dir>/checkpoints``, or ``./checkpoints``: where
-    the default run folders (``version_<N>``) go."""
+    """``<accelerator.project_dir or .>/checkpoints``: where the run folders go."""
     return Path(accelerator.project_dir or os.getcwd()) / "checkpoints"
 
 
@@ -153,8 +145,7 @@ def run_folders(base) -> list[Path]:
 
 
 def is_run_dir(base, path) -> bool:
-    """Whether ``path`` is a run folder of ``base`` (``version_<N>``), or
-    ``base`` itself holding checkpoints directly (hookloop 0.1's layout)."""
+    """Whether ``path`` is a run folder of ``base``, or ``base`` (0.1's layout)."""
     path, base = Path(path), Path(base)
     try:
         same_base = os.path.realpath(path.parent) == os.path.realpath(base)
@@ -171,10 +162,8 @@ def next_run_name(base) -> str:
 
 
 def claim_run_folder(base, attempts: int = 1000) -> Path:
-    """Create the next run folder ``base/version_<N>`` and return it: ``mkdir``
-    without ``exist_ok``, so that two processes starting at the same moment
-    never get the same folder. :class:`CheckpointError` if ``base`` cannot
-    be written."""
+    """Create the next run folder ``base/version_<N>``: ``mkdir`` without
+    ``exist_ok``, so that two processes starting together get two folders."""
     base = Path(base)
     tried = -1
     try:
@@ -204,24 +193,19 @@ _live_saves: set[str] = set()
 
 
 def mark_live(tmp: Path, live: bool = True) -> None:
-    """``tmp`` is (``live``) or is no longer a save in progress of this process."""
+    """``tmp`` is (or, ``live=False``, no longer is) a save of this process in progress."""
     (_live_saves.add if live else _live_saves.discard)(os.path.realpath(tmp))
 
 
-def leftovers(root) -> list[Path]:
-    """What killed saves and rotations left in ``root`` (``.tmp-*``,
-    ``.trash-*``, a half-written ``latest``), but this process's saves in progress."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return [p for p in root.iterdir() if p.name.startswith((TMP_PREFIX, TRASH_PREFIX, LATEST + ".tmp"))
-            and os.path.realpath(p) not in _live_saves]
-
-
 def clean(root) -> None:
-    """Remove :func:`leftovers`. Main process only, holding the root's run
-    lock (:mod:`.lock`): then every other temporary is a dead run's."""
-    for path in leftovers(root):
+    """Remove what killed saves and rotations left in ``root`` (``.tmp-*``,
+    ``.trash-*``, a half-written ``latest``), but this process's saves in
+    progress. Main process only, holding the root's run lock (:mod:`.lock`):
+    then every other temporary is a dead run's."""
+    root = Path(root)
+    found = [p for p in root.iterdir() if p.name.startswith((TMP_PREFIX, TRASH_PREFIX, LATEST + ".tmp"))
+             and os.path.realpath(p) not in _live_saves] if root.is_dir() else []
+    for path in found:
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:  # a probe file, a half-written latest

@@ -1,25 +1,24 @@
-"""Reading a checkpoint into memory, each file opened once and verified as
-it is read, with nothing in the loop changed yet: the one reader of
-Accelerate's files (:class:`Folder`, :func:`read_accelerate`), used for a
-hookloop checkpoint (:func:`stage`), a hand-written script's
-``accelerator.save_state`` folder (:func:`stage_script`) and the weights of
-either (:func:`read_weights`).
+"""Reading a checkpoint into memory, each file opened once and verified as it
+is read, nothing in the loop changed yet: the one reader of Accelerate's files
+(:class:`Folder`, :func:`read_accelerate`) for a hookloop checkpoint
+(:func:`stage`), a script's ``save_state`` folder (:func:`stage_script`) and
+the weights of either (:func:`read_weights`).
 
-A hookloop checkpoint's files are checked against its manifest: size when
-opened, CRC-32 on the bytes the deserialiser reads (in a thread, over a
+A hookloop checkpoint's files are checked against its manifest: the size when
+opened, the CRC-32 on the bytes the deserialiser reads (in a thread, over a
 memory map of the same descriptor: the GIL released, the pages read from
-storage once), the weights and optimizer states' finiteness in that thread
-too, while the small files are read. :meth:`Folder.settle` raises the first
+storage once), the weights' and optimizer states' finiteness in that thread
+too while the small files are read; :meth:`Folder.settle` raises the first
 failure in reading order, checksums first. A script's folder has no manifest:
 its files are read bounded by their size, confined to the folder.
 """
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from . import accelerate as accel
 from . import formats, manifest, safe_read
@@ -32,25 +31,25 @@ from .layout import RANK_FILE, STATE_FILE, TENSORS_FILE
 @dataclass
 class Staged:
     """One process's view of a checkpoint, read, verified and deserialised
-    into memory (:func:`stage`): nothing in the loop changed yet."""
+    into memory: nothing in the loop changed yet."""
 
     path: Path
     doc: dict
     process_index: int
-    models: list
-    optimizers: list
-    schedulers: list
-    rng: dict
-    scaler: dict | None
-    extra: dict  # other Accelerate files (sampler, stateful loader): verified bytes
-    custom: dict  # custom_checkpoint_<i>.pkl -> ("data", state) | ("pickle", bytes)
+    models: list = field(default_factory=list)
+    optimizers: list = field(default_factory=list)
+    schedulers: list = field(default_factory=list)
+    rng: dict = field(default_factory=dict)
+    scaler: dict | None = None
+    extra: dict = field(default_factory=dict)  # other Accelerate files (sampler, stateful loader): bytes
+    custom: dict = field(default_factory=dict)  # custom_checkpoint_<i>.pkl -> ("data", state) | ("pickle", bytes)
     epoch_start: dict | None = None
     generators: dict = field(default_factory=dict)
     plugin_states: dict = field(default_factory=dict)
     #: this process's loop.log(on_epoch=True) values of the epoch so far
     logged: dict = field(default_factory=dict)
-    #: whose per-process files were read: this process's, or, on a run of more
-    #: processes than the checkpoint's, 0's for a rank it does not have
+    #: whose per-process files were read: this process's, or rank 0's for a
+    #: rank the checkpoint has none of (it was written by fewer processes)
     source_rank: int | None = None
     #: a sharded format's verified share (:func:`~.formats.stage_sharded`); None: plain
     sharded: formats.Sharded | None = None
@@ -58,17 +57,15 @@ class Staged:
 
 class Folder:
     """The files of one checkpoint folder, each opened once: checked against
-    the manifest ``doc`` (size, CRC-32), or, without one (a script's
-    ``save_state`` folder), bounded by the size it has."""
+    the manifest ``doc`` (size, CRC-32), or without one (a script's folder)
+    bounded by the size it has."""
 
     def __init__(self, path, doc: dict | None = None):
-        self.path, self.doc = Path(path), doc
-        self.where = f"checkpoint {str(path)!r}"
+        self.path, self.doc, self.where = Path(path), doc, f"checkpoint {str(path)!r}"
         if doc is None:
             safe_read.check_folder(self.path)
-            self.names = {p.name for p in self.path.iterdir() if p.is_file() or p.is_symlink()}
-        else:
-            self.names = set(doc["files"])
+        self.names = set(doc["files"]) if doc is not None else {
+            p.name for p in self.path.iterdir() if p.is_file() or p.is_symlink()}
         self._pool: ThreadPoolExecutor | None = None
         self._crcs: list[tuple[str, str, int, Future[int]]] = []
         self._finite: Future[None] | None = None
@@ -83,14 +80,12 @@ class Folder:
         return self._pool.submit(fn, *args)
 
     def open(self, rel: str, what: str) -> safe_read.Opened:
-        """``rel`` opened once, its size checked now and its CRC-32 in the
-        thread (:meth:`settle`)."""
+        """``rel`` opened once, its size checked now, its CRC-32 in the thread."""
         if self.doc is None:
             if rel not in self.names:
                 raise CheckpointError(f"{self.where} holds no {what} ({rel})")
             file = self.path / rel
-            return safe_read.open_checked(file, self.path, limit=safe_read.file_size(file, self.path, what),
-                                          what=what)
+            return safe_read.open_checked(file, self.path, limit=safe_read.file_size(file, self.path, what), what=what)
         opened, crc = manifest.verified(self.path, rel, self.doc, self.where, what)
         if crc is not None:
             self._crcs.append((rel, what, crc, self._submit(safe_read.crc32_of, opened.mmap(private=False))))
@@ -117,12 +112,13 @@ class Folder:
         """The DCP ``.metadata`` of folder ``part``, read once, safely."""
         if part not in self._metadata:
             rel = f"{part}/.metadata"
-            self._metadata[part] = formats.load_metadata(self.bytes(rel, "the metadata of a sharded state"),
-                                                         rel, self.where)
+            data = self.bytes(rel, "the metadata of a sharded state")
+            self._metadata[part] = formats.load_metadata(data, rel, self.where)
         return self._metadata[part]
 
-    def check_finite(self, models, optimizers) -> None:
-        self._finite = self._submit(check_staged_finite, models, optimizers, self.doc, self.where)
+    def model_file(self, i: int) -> str:
+        rel, legacy = accel.model_file(i), accel.legacy_model_file(i)
+        return legacy if not self.has(rel) and self.has(legacy) else rel
 
     def settle(self, finite: bool = True) -> None:
         """Raise the first failure of the checks so far (``finite``: and the
@@ -139,80 +135,88 @@ class Folder:
                 self._pool.shutdown(wait=True)
                 self._pool = None
 
-    def model_file(self, i: int) -> str:
-        rel = accel.model_file(i)
-        return accel.legacy_model_file(i) if not self.has(rel) and self.has(accel.legacy_model_file(i)) else rel
 
-
-def read_accelerate(folder: Folder, counts: dict, rank: int, label: dict, models: bool = True) -> dict:
-    """Accelerate's files of ``folder`` that process ``rank`` needs: the
-    models and optimizers (``models``: the plain format's), ``counts``
-    schedulers (by kind), its random states, the scaler, the loader files and
-    the registered objects' states. ``label``: file -> what it holds."""
-    where, out = folder.where, {}  # type: str, dict[str, Any]
-    out["models"] = [folder.tensors(rel, label.get(rel, f"the weights of accelerator model #{i}"))
+def read_accelerate(folder: Folder, staged: Staged, counts: dict, label: dict, models: bool = True) -> Staged:
+    """Accelerate's files of ``folder`` that ``staged``'s process needs, into
+    it: the models and optimizers (``models``: the plain format's),
+    ``counts["schedulers"]`` schedulers, the random states of
+    ``staged.source_rank``, the scaler, the loader files and the registered
+    objects' states. ``label``: file -> what it holds."""
+    where = folder.where
+    staged.models = [folder.tensors(rel, label.get(rel, f"the weights of accelerator model #{i}"))
                      for i in range(counts["models"] if models else 0) for rel in [folder.model_file(i)]]
-    out["optimizers"] = []
     for i in range(counts["optimizers"] if models else 0):
         rel = accel.optimizer_file(i)
         what = label.get(rel, f"the state of accelerator optimizer #{i}")
         state = folder.torch(rel, what)
         if not (isinstance(state, dict) and isinstance(state.get("state"), dict)
                 and isinstance(state.get("param_groups"), list)):
-            raise CheckpointError(f"{where}: cannot read {what} from {rel}: it is not an optimizer "
-                                  "state_dict (no 'state' and 'param_groups')")
-        out["optimizers"].append(state)
-    folder.check_finite(out["models"], out["optimizers"])  # (in the thread, while the rest is read)
-    out["schedulers"] = [folder.torch(rel, label.get(rel, f"the state of accelerator scheduler #{i}"))
+            raise CheckpointError(f"{where}: cannot read {what} from {rel}: it is not an optimizer state_dict "
+                                  "(no 'state' and 'param_groups')")
+        staged.optimizers.append(state)
+    folder._finite = folder._submit(check_staged_finite, staged.models, staged.optimizers, where)  # (meanwhile)
+    staged.schedulers = [folder.torch(rel, label.get(rel, f"the state of accelerator scheduler #{i}"))
                          for i in range(counts["schedulers"]) for rel in [accel.scheduler_file(i)]]
-    rel, what = accel.rng_file(rank), f"the random states of process {rank}"
-    rng = out["rng"] = folder.torch(rel, what)
+    rel, what = accel.rng_file(staged.source_rank), f"the random states of process {staged.source_rank}"
+    rng = staged.rng = folder.torch(rel, what)
     try:
         check_rng(rng["random_state"], rng["numpy_random_seed"], rng["torch_manual_seed"])
     except Exception as exc:  # noqa: BLE001 - any invalid content
-        raise CheckpointError(f"{where}: cannot read {what} from {rel}: they are not valid random "
-                              f"states ({type(exc).__name__}: {first_line(exc)})") from exc
-    out["scaler"] = (folder.torch(accel.SCALER_FILE, "the gradient scaler state")
-                     if folder.has(accel.SCALER_FILE) else None)
-    out["extra"] = {rel: folder.bytes(rel, "a data loader state") for rel in sorted(folder.names)
+        raise CheckpointError(f"{where}: cannot read {what} from {rel}: they are not valid random states "
+                              f"({type(exc).__name__}: {first_line(exc)})") from exc
+    if folder.has(accel.SCALER_FILE):
+        staged.scaler = folder.torch(accel.SCALER_FILE, "the gradient scaler state")
+    staged.extra = {rel: folder.bytes(rel, "a data loader state") for rel in sorted(folder.names)
                     if accel.LOADER_FILE.match(rel)}
-    out["custom"] = {}
     for i in range(counts.get("custom_objects", 0)):
         rel = accel.custom_file(i)
         what = f"the state of object #{i} registered with accelerator.register_for_checkpointing"
         data = folder.bytes(rel, what)
         try:
-            out["custom"][rel] = ("data", accel.torch_load(data, rel, where, what))
+            staged.custom[rel] = ("data", accel.torch_load(data, rel, where, what))
         except CheckpointError:
-            out["custom"][rel] = ("pickle", data)
-    return out
+            staged.custom[rel] = ("pickle", data)  # (refused at the load, unless trusted by name)
+    return staged
 
 
 def labels(networks: dict) -> dict:
     """file -> what it holds, from ``{network: {model, optimizer, scheduler}}``."""
-    return {entry[part]: (f"the weights of network {name!r}" if part == "model"
-                          else f"the {part} state of network {name!r}")
+    return {entry[part]: f"the weights of network {name!r}" if part == "model"
+            else f"the {part} state of network {name!r}"
             for name, entry in networks.items() if isinstance(entry, dict)
             for part in ("model", "optimizer", "scheduler") if entry.get(part)}
 
 
 def stage(path, doc: dict | None = None, process_index: int | None = None) -> Staged:
     """Read every file of hookloop checkpoint ``path`` that process
-    ``process_index`` needs into memory, each one verified as it is read and
-    deserialised (safetensors, or ``torch.load`` with ``weights_only=True``),
-    its random states tried on scratch generators, its weights and optimizer
-    state checked finite. Raises :class:`CheckpointError` naming the file;
-    changes nothing. ``doc``: its manifest, already read (:func:`~.manifest.read_manifest`).
-
-    The state of objects given to ``accelerator.register_for_checkpointing``
-    is deserialised the safe way too; one that is a real pickle is kept as
-    bytes, for the load to refuse (or, if trusted by name, to unpickle)."""
+    ``process_index`` needs into memory, each verified as it is read and
+    deserialised (safetensors, or ``torch.load(weights_only=True)``), its
+    random states tried on scratch generators, its weights and optimizer
+    state checked finite; a :class:`CheckpointError` naming the file
+    otherwise. Changes nothing. ``doc``: its manifest, already read."""
     path = Path(path)
     doc = manifest.read_manifest(path) if doc is None else doc
     folder = Folder(path, doc)
+    rank = accel.process_index() if process_index is None else process_index
     try:
         try:
-            return _stage(folder, doc, accel.process_index() if process_index is None else process_index)
+            # a rank the checkpoint has no files of (it was written by fewer processes) reads rank 0's
+            staged = Staged(path, doc, rank, source_rank=rank if rank < doc["num_processes"] else 0)
+            sharding = doc.get("sharding")
+            staged.sharded = formats.stage_sharded(folder, rank) if sharding is not None else None
+            plain = sharding is None or sharding["accelerate"]["format"] == formats.PLAIN
+            counts = {**doc["accelerate"], **({} if plain else {"schedulers": sharding["scheduler_files"]})}
+            read_accelerate(folder, staged, counts, labels(doc["networks"]), models=plain)
+            staged.epoch_start, staged.generators, staged.logged = read_rank_file(folder, staged.source_rank)
+            tensors = folder.tensors(TENSORS_FILE, "the plugin states") if folder.has(TENSORS_FILE) else {}
+            for name, state in doc["plugins"].items():
+                try:
+                    staged.plugin_states[name] = from_data(state, tensors)
+                except (KeyError, TypeError, AttributeError, ValueError) as exc:
+                    raise CheckpointError(f"{folder.where}: the state of plugin {name!r} refers to tensors that "
+                                          f"{TENSORS_FILE} does not hold ({type(exc).__name__}: {exc})") from exc
+            folder.settle()
+            return staged
         except Exception:
             folder.settle(finite=False)  # an earlier file that is not what was written: first
             raise
@@ -223,33 +227,6 @@ def stage(path, doc: dict | None = None, process_index: int | None = None) -> St
         # hookloop writes (a hostile or hand-made one): not a crash of the loop
         raise CheckpointError(f"checkpoint {str(path)!r}: its {STATE_FILE} is not hookloop's "
                               f"({type(exc).__name__}: {first_line(exc)})") from None
-    finally:
-        folder.settle(finite=False)
-
-
-def _stage(folder: Folder, doc: dict, rank: int) -> Staged:
-    # a rank the checkpoint has no files of (it was written by fewer processes) reads rank 0's
-    source = rank if rank < doc["num_processes"] else 0
-    sharding = doc.get("sharding")
-    sharded = formats.stage_sharded(folder, rank) if sharding is not None else None
-    plain = sharding is None or sharding["accelerate"]["format"] == formats.PLAIN
-    counts = dict(doc["accelerate"])
-    if sharding is not None and not plain:
-        counts["schedulers"] = sharding["scheduler_files"]
-    parts = read_accelerate(folder, counts, source, labels(doc["networks"]), models=plain)
-    epoch_start, generators, logged = read_rank_file(folder, source)
-    tensors = folder.tensors(TENSORS_FILE, "the plugin states") if folder.has(TENSORS_FILE) else {}
-    plugin_states = {}
-    for name, state in doc["plugins"].items():
-        try:
-            plugin_states[name] = from_data(state, tensors)
-        except (KeyError, TypeError, AttributeError, ValueError) as exc:
-            raise CheckpointError(f"{folder.where}: the state of plugin {name!r} refers to tensors that "
-                                  f"{TENSORS_FILE} does not hold ({type(exc).__name__}: {exc})") from exc
-    folder.settle()
-    return Staged(folder.path, doc, rank, parts["models"], parts["optimizers"], parts["schedulers"],
-                  parts["rng"], parts["scaler"], parts["extra"], parts["custom"], epoch_start, generators,
-                  plugin_states, logged, source, sharded)
 
 
 def read_rank_file(folder: Folder, rank: int) -> tuple:
@@ -263,11 +240,11 @@ def read_rank_file(folder: Folder, rank: int) -> tuple:
                               f"{first_line(exc)}") from exc
 
 
-def held(folder: Folder, pattern) -> list[int]:
+def _held(folder: Folder, pattern: str) -> list[int]:
     """The numbers ``i`` of the files of ``folder`` named by ``pattern``
     (``model_<i>.safetensors`` ...: the first is 0)."""
     return sorted({int(next((g for g in m.groups() if g is not None), 0))
-                   for name in folder.names if (m := pattern.match(name))})
+                   for name in folder.names if (m := re.match(pattern, name))})
 
 
 def stage_script(loop, folder: Folder, strict: bool) -> tuple[Staged, list[str]]:
@@ -275,70 +252,63 @@ def stage_script(loop, folder: Folder, strict: bool) -> tuple[Staged, list[str]]
     against the loop (tensor names and shapes, how many of each object) and
     deserialised, nothing changed yet; and warnings (``strict=False``: files
     this loop has no object for)."""
-    import re
-
     acc, where, notes = loop.accelerator, folder.where, []
-    fmt = formats.of_accelerator(acc)
-    if fmt.name != formats.PLAIN or formats.describe(loop) is not None:
-        raise CheckpointError(f"{where}: continuing an accelerator.save_state folder is supported "
-                              f"for unsharded runs; this one saves {fmt.name}: load it with "
-                              "accelerator.load_state, then build the Loop with prepare=False")
-    networks = formats.describe_networks(loop)
-    present = {"model": held(folder, re.compile(r"^(?:model(?:_(\d+))?\.safetensors|pytorch_model(?:_(\d+))?\.bin)$")),
-               "optimizer": held(folder, re.compile(r"^optimizer(?:_(\d+))?\.bin$")),
-               "scheduler": held(folder, re.compile(r"^scheduler(?:_(\d+))?\.bin$"))}
+    if formats.describe(loop) is not None:
+        raise CheckpointError(f"{where}: continuing an accelerator.save_state folder is supported for "
+                              f"unsharded runs; this one saves {formats.of_accelerator(acc).name}: load it "
+                              "with accelerator.load_state, then build the Loop with prepare=False")
+    networks, plain = formats.describe_networks(loop), formats.Plain()
     have = {"model": len(accel.models(acc)), "optimizer": len(accel.optimizers(acc)),
             "scheduler": len(accel.scheduler_objects(acc))}
-    for part, numbers in present.items():
+    for part, pattern in (("model", r"^(?:model(?:_(\d+))?\.safetensors|pytorch_model(?:_(\d+))?\.bin)$"),
+                          ("optimizer", r"^optimizer(?:_(\d+))?\.bin$"), ("scheduler", r"^scheduler(?:_(\d+))?\.bin$")):
+        numbers = _held(folder, pattern)
         if [i for i in numbers if i >= have[part]]:
-            name = folder.model_file if part == "model" else (lambda i, p=part: formats.Plain().file(p, i))
-            msg = (f"{where} holds {len(numbers)} {part}(s) ({', '.join(name(i) for i in numbers)}); "
-                   f"this loop has {have[part]}")
+            name = folder.model_file if part == "model" else (lambda i, p=part: plain.file(p, i))
+            msg = (f"{where} holds {len(numbers)} {part}(s) ({', '.join(map(name, numbers))}); this loop has "
+                   f"{have[part]}")
             if strict:
-                raise CheckpointError(msg + ": build the Loop with the script's models, optimizers "
-                                            "and schedulers, in the order it prepared them")
+                raise CheckpointError(msg + ": build the Loop with the script's models, optimizers and "
+                                            "schedulers, in the order it prepared them")
             notes.append(msg + ": the others are not loaded")
-    rank = acc.process_index
-    written_by = held(folder, re.compile(r"^random_states_(\d+)\.pkl$"))
+    rank, written_by = acc.process_index, _held(folder, r"^random_states_(\d+)\.pkl$")
     if not folder.has(accel.rng_file(rank)):
-        raise CheckpointError(f"{where} holds no random states of process {rank} ({accel.rng_file(rank)}): "
-                              f"it was written by {len(written_by)} process(es), this run has "
-                              f"{acc.num_processes}: continue it on as many processes as wrote it")
+        raise CheckpointError(f"{where} holds no random states of process {rank} ({accel.rng_file(rank)}): it "
+                              f"was written by {len(written_by)} process(es), this run has {acc.num_processes}: "
+                              "continue it on as many processes as wrote it")
     if len(written_by) != acc.num_processes:
-        msg = (f"{where} was written by {len(written_by)} process(es), this run has {acc.num_processes}: "
-               "the data is cut otherwise, and the position is the script's, not the same examples")
+        msg = (f"{where} was written by {len(written_by)} process(es), this run has {acc.num_processes}: the "
+               "data is cut otherwise, and the position is the script's, not the same examples")
         if strict:
             raise CheckpointError(msg + "; continue it on as many processes (or strict=False)")
         notes.append(msg)
+    label = labels(networks)
     for i in range(have["model"]):
         if not (folder.has(accel.model_file(i)) or folder.has(accel.legacy_model_file(i))):
-            what = labels(networks).get(accel.model_file(i), f"the weights of accelerator model #{i}")
-            raise CheckpointError(f"{where} holds no {what} ({accel.model_file(i)} or "
-                                  f"{accel.legacy_model_file(i)})")
+            what = label.get(accel.model_file(i), f"the weights of accelerator model #{i}")
+            raise CheckpointError(f"{where} holds no {what} ({accel.model_file(i)} or {accel.legacy_model_file(i)})")
     counts = {"models": have["model"], "optimizers": have["optimizer"], "schedulers": have["scheduler"],
               "custom_objects": len(accel.custom_objects(acc))}
-    parts = read_accelerate(folder, counts, rank, labels(networks))
+    staged = read_accelerate(folder, Staged(folder.path, {"accelerate": accel.counts(acc), "files": {}}, rank,
+                                            source_rank=rank), counts, label)
     owner = {entry["model"]: name for name, entry in networks.items()}
-    for i, (state, model) in enumerate(zip(parts["models"], accel.models(acc))):
+    for i, (state, model) in enumerate(zip(staged.models, accel.models(acc))):
         compare_shapes({k: tuple(v.shape) for k, v in state.items()}, model.state_dict(),
                        owner.get(accel.model_file(i), f"#{i}"), where)
     folder.settle()
-    if parts["scaler"] is None and acc.scaler is not None:
+    if staged.scaler is None and acc.scaler is not None:
         notes.append(f"{where} holds no {accel.SCALER_FILE}: the gradient scaler starts fresh")
-    unclaimed = [accel.custom_file(i) for i in held(folder, re.compile(r"^custom_checkpoint_(\d+)\.pkl$"))
+    unclaimed = [accel.custom_file(i) for i in _held(folder, r"^custom_checkpoint_(\d+)\.pkl$")
                  if i >= counts["custom_objects"]]
     if unclaimed:
         notes.append(f"{where}: {', '.join(unclaimed)} (objects the script registered with "
                      "accelerator.register_for_checkpointing) not loaded: no object of this loop's "
                      "accelerator is registered to receive them")
-    doc = {"accelerate": accel.counts(acc), "files": {}}
-    return Staged(folder.path, doc, rank, parts["models"], parts["optimizers"], parts["schedulers"],
-                  parts["rng"], parts["scaler"], parts["extra"], parts["custom"], source_rank=rank), notes
+    return staged, notes
 
 
 def read_weights(folder: Folder, networks: dict) -> dict:
-    """Each network's weights, by name (``networks``: name -> its model's
-    file in ``folder``), verified."""
+    """Each network's weights (``networks``: name -> its model's file), verified."""
     try:
         out = {name: folder.tensors(rel, f"the weights of network {name!r}") for name, rel in networks.items()}
     except Exception:
@@ -348,28 +318,26 @@ def read_weights(folder: Folder, networks: dict) -> dict:
     return out
 
 
-def compare_shapes(saved: dict, expected: dict, network: str, where: str) -> None:
-    """``saved`` (tensor name -> shape) against a model's ``state_dict()``
-    (``expected``): the same names (a tied tensor's second name may be
-    missing) and shapes, or a :class:`CheckpointError` naming the tensor."""
+def compare_shapes(saved: dict, expected: dict, network: str, where: str, rel: str = "") -> None:
+    """``saved`` (tensor name -> shape) against ``expected`` (a model's
+    ``state_dict()``, or name -> shape): the same names (a tied tensor's second
+    name may be missing) and shapes, or a :class:`CheckpointError` naming the tensor."""
+    now = {k: tuple(v.shape) if hasattr(v, "shape") else tuple(v) for k, v in expected.items()}
+    there = f"the checkpoint ({rel})" if rel else "the checkpoint"
 
     def show(key):
         return key[len("module."):] if key.startswith("module.") else key
 
     for key, shape in saved.items():
-        if key not in expected:
-            raise CheckpointError(
-                f"{where}: network {network!r} has a tensor {show(key)!r} (shape {list(shape)}) "
-                "in the checkpoint that this model does not have: a model of another architecture?"
-            )
-        if tuple(expected[key].shape) != shape:
-            raise CheckpointError(
-                f"{where}: network {network!r} tensor {show(key)!r} has shape {list(shape)} in "
-                f"the checkpoint but {list(expected[key].shape)} in this model"
-            )
-    saved_ptrs = {expected[k].data_ptr() for k in saved}
-    for key, tensor in expected.items():
-        # safetensors drops the second name of a tied (shared) tensor
-        if key not in saved and tensor.data_ptr() not in saved_ptrs:
-            raise CheckpointError(f"{where}: network {network!r} tensor {show(key)!r} is not in the "
-                                  "checkpoint: a model of another architecture?")
+        if key not in now:
+            raise CheckpointError(f"{where}: network {network!r} has a tensor {show(key)!r} (shape "
+                                  f"{list(shape)}) in {there} that this model does not have: a model of "
+                                  "another architecture?")
+        if now[key] != tuple(shape):
+            raise CheckpointError(f"{where}: network {network!r} tensor {show(key)!r} has shape {list(shape)} "
+                                  f"in {there} but {list(now[key])} in this model")
+    saved_ptrs = {expected[k].data_ptr() for k in saved if hasattr(expected[k], "data_ptr")}
+    for key, tensor in expected.items():  # (safetensors drops the second name of a tied tensor)
+        if key not in saved and not (hasattr(tensor, "data_ptr") and tensor.data_ptr() in saved_ptrs):
+            raise CheckpointError(f"{where}: network {network!r} tensor {show(key)!r} is not in {there}: a "
+                                  "model of another architecture?")

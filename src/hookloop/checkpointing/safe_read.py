@@ -1,29 +1,14 @@
-"""Reading from a checkpoint folder, bounded and confined, each file opened
-once: every byte hookloop reads from a checkpoint root goes through
-:func:`open_checked`.
-
-A checkpoint root may be shared with others, downloaded, or on a disk that
-went bad, so a file is opened only when
-
-- it is inside its root: its real path (symbolic links resolved) stays
-  under the root's real path; a link that leads out is refused, naming the
-  link and where it leads, never what it holds;
-- it is a regular file: checked with ``stat`` before it is opened (a FIFO or
-  a device is never opened), opened with ``O_NOFOLLOW`` and ``O_NONBLOCK``
-  and checked again with ``fstat`` on what was opened;
-- it is no bigger than its limit (:data:`LATEST_LIMIT`,
-  :data:`MANIFEST_LIMIT`, a data file: the size its manifest records), and
-  no more than that is ever read.
-
-The open descriptor is what everything reads: the deserialisers (through
-:meth:`Opened.file` and :meth:`Opened.mmap`) and the CRC-32 (:func:`crc32_fd`),
-so that a file is opened once and its bytes come from storage once (a
-network file system serves the second reader from the page cache). JSON is
-parsed by :func:`loads_json`, with a depth limit. Every refusal is a
-:class:`RefusedFile`, a :class:`~.errors.CheckpointError` naming the file.
-
-The checksum of every file is CRC-32 (zlib's polynomial), computed with ISA-L
-(``isal``: ~5x zlib, the same values) when it is installed, else with zlib.
+"""Reading a checkpoint folder bounded and confined, each file opened once:
+every byte hookloop reads from a checkpoint root goes through
+:func:`open_checked`. A root may be shared, downloaded, or on a disk that went
+bad, so a file is opened only when it is inside its root (symbolic links
+resolved; a link out is refused, naming where it leads, never what it holds),
+a regular file (``stat`` before ``open``, ``O_NOFOLLOW | O_NONBLOCK``,
+``fstat`` after: a FIFO or a device is never read), and no bigger than its
+limit; no more than that is ever read. The open descriptor is what every
+reader uses: the deserialisers (:meth:`Opened.reader`, :meth:`Opened.mmap`)
+and the CRC-32 (zlib's polynomial; ISA-L's ``isal`` when installed, ~5x
+faster, the same values). Every refusal is a :class:`RefusedFile` naming the file.
 """
 
 from __future__ import annotations
@@ -38,59 +23,42 @@ from pathlib import Path
 
 from .errors import CheckpointError
 
-#: ``latest`` holds one checkpoint name (``step-00000040-epoch-end.12``)
-LATEST_LIMIT = 512
-#: ``hookloop.json``: the position, the networks, the plugin states as JSON
-MANIFEST_LIMIT = 16 << 20
-#: a safetensors header (safetensors itself refuses one over 100 MB)
-HEADER_LIMIT = 100 << 20
+#: ``latest`` holds one checkpoint name; a manifest, its JSON; a safetensors header
+LATEST_LIMIT, MANIFEST_LIMIT, HEADER_LIMIT = 512, 16 << 20, 100 << 20
 #: the deepest nesting of lists and objects accepted in a checkpoint's JSON
-#: (Python's own parser gives up near 1000, with a RecursionError)
 MAX_JSON_DEPTH = 200
-
 _FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
           | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
 
+try:  # an optional speed-up: ISA-L's carry-less multiplication
+    from isal import isal_zlib
 
-def _fastest_crc32():
-    try:
-        from isal import isal_zlib
-    except ImportError:  # an optional speed-up
-        return zlib.crc32, "zlib"
-    if isal_zlib.crc32(b"hookloop") != zlib.crc32(b"hookloop"):  # pragma: no cover - never seen
-        return zlib.crc32, "zlib"
-    return isal_zlib.crc32, "isal"
-
-
-#: zlib-compatible ``crc32(data, value=0)``, and whose it is (``"isal"`` or ``"zlib"``)
-crc32, CRC32_IMPLEMENTATION = _fastest_crc32()
-
-
-def crc32_fd(fd: int, size: int) -> int:
-    """CRC-32 of the first ``size`` bytes of open file ``fd``, through a
-    memory map (no copy), in one call: the GIL is released for the whole file."""
-    return crc32_of(_mmap.mmap(fd, size, access=_mmap.ACCESS_READ) if size else None)
+    crc32, CRC32_IMPLEMENTATION = (isal_zlib.crc32, "isal") if isal_zlib.crc32(b"hookloop") == zlib.crc32(
+        b"hookloop") else (zlib.crc32, "zlib")
+except ImportError:
+    crc32, CRC32_IMPLEMENTATION = zlib.crc32, "zlib"
 
 
 def crc32_of(mapped) -> int:
-    """CRC-32 of a memory map (closed afterwards; None: an empty file)."""
+    """CRC-32 of a memory map, in one call (the GIL released), closing it; None: empty."""
     if mapped is None:
         return 0
     with mapped:
         return crc32(mapped)
 
 
-class RefusedFile(CheckpointError):
-    """A file of a checkpoint folder that hookloop does not read.
+def crc32_fd(fd: int, size: int) -> int:
+    """CRC-32 of the first ``size`` bytes of open file ``fd``."""
+    return crc32_of(_mmap.mmap(fd, size, access=_mmap.ACCESS_READ) if size else None)
 
-    :ivar file: the file, as it was named (inside its root).
-    :ivar problem: why, without the file's name (``"is a FIFO ..."``).
-    """
+
+class RefusedFile(CheckpointError):
+    """A file of a checkpoint folder that hookloop does not read; ``problem``:
+    why, without the file's name."""
 
     def __init__(self, file, problem: str):
         super().__init__(f"{str(file)!r} {problem}")
-        self.file = Path(file)
-        self.problem = problem
+        self.file, self.problem = Path(file), problem
 
 
 def _kind(mode: int) -> str:
@@ -102,25 +70,18 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def inside(real: str, real_root: str) -> bool:
-    """Whether real path ``real`` is ``real_root`` or under it."""
-    return real == real_root or real.startswith(real_root.rstrip(os.sep) + os.sep)
-
-
 def confined(file, root) -> str:
-    """The real path of ``file``, once it is inside ``root``; else
-    :class:`RefusedFile` naming ``file`` and where it leads."""
+    """The real path of ``file``, once it is inside ``root``; else :class:`RefusedFile`."""
     real_root, real = os.path.realpath(root), os.path.realpath(file)
-    if not inside(real, real_root):
+    if real != real_root and not real.startswith(real_root.rstrip(os.sep) + os.sep):
         link = " (a symbolic link)" if os.path.islink(file) else ""
-        raise RefusedFile(file, f"leads to {real!r}{link}, outside {real_root!r}: refusing to "
-                                "follow it out of the checkpoint folder")
+        raise RefusedFile(file, f"leads to {real!r}{link}, outside {real_root!r}: refusing to follow it out "
+                                "of the checkpoint folder")
     return real
 
 
 def check_folder(path) -> None:
-    """Refuse a checkpoint folder that is a symbolic link, or whose real path
-    is not its real parent's entry of the same name."""
+    """Refuse a checkpoint folder that is a symbolic link (its content lives elsewhere)."""
     path = Path(path)
     if path.name in ("", ".", ".."):
         path = Path(os.path.abspath(path))
@@ -128,12 +89,12 @@ def check_folder(path) -> None:
             return
     real = os.path.realpath(path)
     if os.path.islink(path) or real != os.path.join(os.path.realpath(path.parent), path.name):
-        raise RefusedFile(path, f"is a symbolic link to {real!r}: a checkpoint folder must be a "
-                                "folder of its checkpoint root, not a link to one elsewhere "
-                                "(copy it in instead)")
+        raise RefusedFile(path, f"is a symbolic link to {real!r}: a checkpoint folder must be a folder of "
+                                "its checkpoint root, not a link to one elsewhere (copy it in instead)")
 
 
-def _stat(real: str, file, what: str):
+def _stat(file, root, what: str):
+    real = confined(file, root)
     try:
         st = os.stat(real)
     except FileNotFoundError:
@@ -142,48 +103,41 @@ def _stat(real: str, file, what: str):
         raise RefusedFile(file, f"cannot be read ({what}): {type(exc).__name__}: {exc.strerror or exc}") from None
     if not stat.S_ISREG(st.st_mode):
         raise RefusedFile(file, f"is {_kind(st.st_mode)}, not a regular file: refusing to read {what}")
-    return st
+    return real, st
 
 
 def file_size(file, root, what: str) -> int:
     """The size of regular file ``file`` inside ``root`` (not opened)."""
-    return _stat(confined(file, root), file, what).st_size
+    return _stat(file, root, what)[1].st_size
 
 
 class Opened:
-    """A checked, open regular file of a checkpoint folder
-    (:func:`open_checked`); use it in a ``with`` block."""
+    """A checked, open regular file of a checkpoint folder; use it in a ``with`` block."""
 
     def __init__(self, file: Path, fd: int, size: int, limit: int, why: str):
-        self.file, self.fd, self.size = file, fd, size
-        self._limit, self._why = limit, why
+        self.file, self.fd, self.size, self._limit, self._why = file, fd, size, limit, why
 
     def read(self) -> bytes:
-        """The whole file: at most its limit (one more byte is an error)."""
-        os.lseek(self.fd, 0, os.SEEK_SET)
-        chunks, total = [], 0
-        while chunk := os.read(self.fd, min(1 << 20, self._limit + 1 - total)):
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > self._limit:
-                raise RefusedFile(self.file, f"grew past {self._limit} bytes while it was read "
-                                             f"({self._why}): refusing to read more")
-        return b"".join(chunks)
+        """The whole file, at most its limit (one more byte is an error)."""
+        data = os.pread(self.fd, min(self._limit, self.size) + 1, 0)
+        while len(data) <= self._limit and (more := os.pread(self.fd, self._limit + 1 - len(data), len(data))):
+            data += more  # (it grew since it was opened)
+        if len(data) > self._limit:
+            raise RefusedFile(self.file, f"grew past {self._limit} bytes while it was read ({self._why}): "
+                                         "refusing to read more")
+        return data
 
     def read_at(self, offset: int, size: int) -> bytes:
-        """``size`` bytes from ``offset`` (fewer at the end of the file)."""
         return os.pread(self.fd, size, offset) if size else b""
 
     def reader(self):
-        """An unbuffered file object reading this very descriptor, from its
-        start (what ``torch.load`` is given: no second open)."""
+        """An unbuffered file object reading this very descriptor from its start (no second open)."""
         os.lseek(self.fd, 0, os.SEEK_SET)
         return os.fdopen(self.fd, "rb", buffering=0, closefd=False)
 
     def mmap(self, private: bool = True):
-        """A memory map of the file, which outlives the descriptor (None: an
-        empty file). ``private``: copy-on-write (tensors made from it own
-        it: it is unmapped when the last one goes); else read-only."""
+        """A memory map of the file, which outlives the descriptor (None: empty).
+        ``private``: copy-on-write (tensors made from it keep it); else read-only."""
         if not self.size:
             return None
         return _mmap.mmap(self.fd, self.size, access=_mmap.ACCESS_COPY if private else _mmap.ACCESS_READ)
@@ -202,14 +156,11 @@ class Opened:
 
 
 def open_checked(file, root, *, limit: int, what: str, why: str | None = None) -> Opened:
-    """Open regular file ``file`` of checkpoint folder (or root) ``root``,
-    no bigger than ``limit`` bytes, or raise :class:`RefusedFile` naming it
-    (``what`` it holds, ``why`` that limit). A missing file raises
-    :class:`FileNotFoundError`."""
-    file = Path(file)
-    why = why or f"the most {what} may be"
-    real = confined(file, root)
-    before = _stat(real, file, what)
+    """Open regular file ``file`` of checkpoint folder (or root) ``root``, no
+    bigger than ``limit`` bytes, or raise :class:`RefusedFile` naming it
+    (``what`` it holds, ``why`` that limit); a missing one: FileNotFoundError."""
+    file, why = Path(file), why or f"the most {what} may be"
+    real, before = _stat(file, root, what)
     try:
         fd = os.open(real, _FLAGS)
     except FileNotFoundError:
@@ -219,11 +170,9 @@ def open_checked(file, root, *, limit: int, what: str, why: str | None = None) -
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
-            raise RefusedFile(file, f"changed into {_kind(st.st_mode)} while it was opened: refusing "
-                                    f"to read {what}")
+            raise RefusedFile(file, f"changed into {_kind(st.st_mode)} while it was opened: refusing to read {what}")
         if st.st_size > limit:
-            raise RefusedFile(file, f"is {st.st_size} bytes, more than {limit} ({why}): refusing to "
-                                    f"read {what}")
+            raise RefusedFile(file, f"is {st.st_size} bytes, more than {limit} ({why}): refusing to read {what}")
         return Opened(file, fd, st.st_size, limit, why)
     except BaseException:
         os.close(fd)
@@ -231,44 +180,32 @@ def open_checked(file, root, *, limit: int, what: str, why: str | None = None) -
 
 
 def read_checked(file, root, *, limit: int, what: str, why: str | None = None) -> bytes:
-    """The bytes of ``file`` (:func:`open_checked`)."""
     with open_checked(file, root, limit=limit, what=what, why=why) as opened:
         return opened.read()
 
 
 def loads_json(data: bytes, file, *, max_depth: int = MAX_JSON_DEPTH):
-    """``data`` as JSON (UTF-8), nested at most ``max_depth`` deep; else
-    :class:`RefusedFile` naming ``file`` (never a RecursionError or a
-    MemoryError)."""
+    """``data`` as JSON, nested at most ``max_depth`` deep; else
+    :class:`RefusedFile` naming ``file`` (never a RecursionError)."""
     try:
         doc = json.loads(data.decode("utf-8") if isinstance(data, bytes) else data)
     except RecursionError:
-        raise RefusedFile(file, f"is nested too deep to parse as JSON (more than {max_depth} "
-                                "levels): it is corrupt, or not hookloop's") from None
+        raise RefusedFile(file, f"is nested too deep to parse as JSON (more than {max_depth} levels): it is "
+                                "corrupt, or not hookloop's") from None
     except MemoryError:
-        raise RefusedFile(file, "does not fit in memory when parsed as JSON: it is corrupt, "
-                                "or not hookloop's") from None
+        raise RefusedFile(file, "does not fit in memory when parsed as JSON: it is corrupt, or not "
+                                "hookloop's") from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise RefusedFile(file, f"is not valid JSON ({str(exc)[:200]}): it is truncated or "
-                                "corrupt") from None
-    if depth(doc, max_depth) > max_depth:
-        raise RefusedFile(file, f"is JSON nested more than {max_depth} levels deep: it is "
-                                "corrupt, or not hookloop's")
-    return doc
-
-
-def depth(doc, stop: int) -> int:
-    """How deep lists and dicts nest in ``doc`` (without recursion), counted
-    up to ``stop + 1``."""
-    deepest, todo = 0, [(doc, 1)]
-    while todo:
+        raise RefusedFile(file, f"is not valid JSON ({str(exc)[:200]}): it is truncated or corrupt") from None
+    deepest, todo = 0, [(doc, 1)]  # (without recursion)
+    while todo and deepest <= max_depth:
         obj, level = todo.pop()
         if isinstance(obj, (list, dict)):
             deepest = max(deepest, level)
-            if deepest > stop:
-                return deepest
             todo.extend((v, level + 1) for v in (obj.values() if isinstance(obj, dict) else obj))
-    return deepest
+    if deepest > max_depth:
+        raise RefusedFile(file, f"is JSON nested more than {max_depth} levels deep: it is corrupt, or not hookloop's")
+    return doc
 
 
 def relative_entry(rel) -> str | None:

@@ -153,7 +153,7 @@ def frozen(module):
 def backward(loop, loss):
     """``loop.accelerator.backward(loss)``, without the work Accelerate would
     repeat on every call for nothing (see :mod:`hookloop.accelerate_fastpath`)."""
-    loop._fastpath.backward(loss)
+    loop.fastpath.backward(loss)
 
 
 def loss_and_backward(loop, network, batch, outputs):
@@ -171,7 +171,7 @@ def loss_and_backward(loop, network, batch, outputs):
     if not quiet:
         hook.before_backward(loop=loop, network=network, loss=loss)
     try:
-        loop._fastpath.backward(loss)
+        loop.fastpath.backward(loss)
     except RuntimeError as exc:
         _refused(exc, loop, network, batch, outputs, loss)
     if not quiet:
@@ -195,9 +195,9 @@ def plain_steps(loop) -> bool:
     :func:`loss_and_backward` and :func:`update`: no gradient accumulation,
     ``backward`` is ``loss.backward()`` (:mod:`hookloop.accelerate_fastpath`),
     and no plugin implements a backward or update hook. It stays so for as
-    long as ``loop.hook`` and ``loop._fastpath`` are the same objects (a
+    long as ``loop.hook`` and ``loop.fastpath`` are the same objects (a
     change of plugins or of accumulation replaces one of them)."""
-    return (not loop._accumulating and loop._fastpath.plain_backward
+    return (not loop.accumulating and loop.fastpath.plain_backward
             and loop.hook.unimplemented(_STEP_HOOKS))
 
 
@@ -216,7 +216,7 @@ def plain_step(loop, network, batch, forward):
         loss.backward()
     except RuntimeError as exc:
         _refused(exc, loop, network, batch, outputs, loss)
-    loop._fastpath.update(network.optimizer, network.scheduler)
+    loop.fastpath.update(network.optimizer, network.scheduler)
     return _new_step_output(StepOutput, (outputs, loss))
 
 
@@ -237,7 +237,7 @@ def update(loop, network):
     counts them, so skipping them would change the scheduler's state. The
     hooks fire only on synchronised steps, where something actually happens.
     """
-    fast = loop._fastpath  # Accelerate's step() / zero_grad() without their per-call lookups
+    fast = loop.fastpath  # Accelerate's step() / zero_grad() without their per-call lookups
     optimizer, scheduler = network.optimizer, network.scheduler
     if scheduler is not None and (network.scheduler_interval != "step" or network.scheduler_frequency != 1):
         scheduler = _scheduled(loop, network, fast)  # None: not at this update

@@ -34,14 +34,14 @@ class Supervised(Strategy):
                 "For several networks pass a strategy, e.g. strategy=GAN(...)."
             )
 
-    #: the ``(loop.hook, loop._fastpath)`` that :attr:`_plain` was decided for
+    #: the ``(loop.hook, loop.fastpath)`` that :attr:`_plain` was decided for
     _plain_for: tuple = (None, None)
     _plain = False
 
     @hookimpl(trylast=True)
     def training_step(self, loop, batch):
         network = loop.networks["model"]
-        hook, fast = loop.hook, loop._fastpath
+        hook, fast = loop.hook, loop.fastpath
         decided = self._plain_for
         if decided[0] is not hook or decided[1] is not fast:
             self._plain, self._plain_for = plain_steps(loop), (hook, fast)
