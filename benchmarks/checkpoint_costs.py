@@ -10,7 +10,7 @@ Rows (docs/checkpoints.md quotes them):
 
 - finiteness at save: every parameter, buffer and optimizer state tensor
   (``checkpointing.first_nonfinite``), against the naive per-tensor check;
-- CRC-32 (``manifest.CRC32_IMPLEMENTATION``: ISA-L's when ``isal`` is
+- CRC-32 (``safe_read.CRC32_IMPLEMENTATION``: ISA-L's when ``isal`` is
   installed, else zlib's): checksumming every file through a memory map (at
   load; at save ``torch.save`` files are checksummed as they are written);
 - save: a whole ``checkpointing.save`` (with fsync), the same without the
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
 
     from hookloop import Loop, checkpointing
-    from hookloop.checkpointing import finite, manifest
+    from hookloop.checkpointing import finite, safe_read
     from hookloop.examples.text_classification import minilm_path
 
     hf_logging.set_verbosity_error()
@@ -112,22 +112,30 @@ def main(argv=None) -> int:
             return checkpointing.save(loop, root, reason="bench", name=f"step-{next(counter):08d}",
                                       keep_last=1)
 
+        def crc_file(p):
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                return safe_read.crc32_fd(fd, p.stat().st_size)
+            finally:
+                os.close(fd)
+
         path = save()
         files = [p for p in path.iterdir() if p.is_file()]
         size = sum(p.stat().st_size for p in files)
         row("CRC-32 of every file (memory map; at load)",
-            median_ms(lambda: [manifest.crc32_file(p) for p in files], args.repeat),
-            f"{size / 1e6:.0f} MB, {manifest.CRC32_IMPLEMENTATION}")
+            median_ms(lambda: [crc_file(p) for p in files], args.repeat),
+            f"{size / 1e6:.0f} MB, {safe_read.CRC32_IMPLEMENTATION}")
         row("save, all checks (checkpointing.save, fsync included)", median_ms(save, args.repeat))
-        crc, refuse = manifest.crc32, finite.refuse_nonfinite
-        manifest.crc32 = lambda data, value=0: 0
+        crc, refuse = safe_read.crc32, finite.refuse_nonfinite
+        safe_read.crc32 = lambda data, value=0: 0
         finite.refuse_nonfinite = lambda *a: None
         try:
             row("save without the CRC and finiteness checks", median_ms(save, args.repeat))
         finally:
-            manifest.crc32, finite.refuse_nonfinite = crc, refuse
+            safe_read.crc32, finite.refuse_nonfinite = crc, refuse
 
-        from hookloop.checkpointing import host_copy, layout
+        from hookloop.checkpointing import accelerate as accel
+        from hookloop.checkpointing import layout, writer
 
         def accelerate_save(fsync=False):
             folder = root.parent / f"plain-{next(counter)}"
@@ -144,7 +152,9 @@ def main(argv=None) -> int:
 
         def host():
             folder = Path(tempfile.mkdtemp(dir=root.parent))
-            host_copy.take(loop.accelerator, folder, copy=True).release(loop.accelerator)
+            heavy = accel.heavy_states(loop.accelerator, folder)
+            accel.save_small_files(loop.accelerator, folder)
+            writer.host_copy(loop.accelerator, heavy).release(loop.accelerator)
             shutil.rmtree(folder)
 
         host()  # (the first one allocates the host buffers the next ones reuse)
@@ -155,7 +165,7 @@ def main(argv=None) -> int:
         doc = checkpointing.read_manifest(path)
         staged = checkpointing.stage(path, doc, 0)
         row("  finiteness of the staged weights and Adam state",
-            median_ms(lambda: finite.check_staged_finite(staged.models, staged.optimizers, doc, ""),
+            median_ms(lambda: finite.check_staged_finite(staged.models, staged.optimizers, ""),
                       args.repeat))
         row("stage: read + CRC-32 + deserialise + RNG + finiteness",
             median_ms(lambda: checkpointing.stage(path, doc, 0), args.repeat))

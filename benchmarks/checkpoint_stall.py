@@ -44,7 +44,7 @@ The save/load rows (one process, the model after training): a synchronous
 ``save_state`` (no fsync) and the same plus an fsync of each file;
 ``checkpointing.load`` (every file's size and CRC-32, finiteness) against
 ``accelerator.load_state``; what an asynchronous save does at the safe
-point (``host_copy.take``: Accelerate's small files and the host copy; its
+point (Accelerate's small files and ``writer.host_copy``; its
 finiteness check runs in the writer). Interleaved repeats, each with its
 ratio to the Accelerate row it replaces.
 """
@@ -185,7 +185,8 @@ def save_load_rows(out: Path, threads: int, repeat: int = 5) -> list:
     from accelerate import Accelerator
 
     from hookloop import Loop, checkpointing, hookimpl
-    from hookloop.checkpointing import host_copy, layout
+    from hookloop.checkpointing import accelerate as accel
+    from hookloop.checkpointing import layout, writer
 
     torch.set_num_threads(threads)
 
@@ -220,8 +221,9 @@ def save_load_rows(out: Path, threads: int, repeat: int = 5) -> list:
 
     def host(copy=True):
         folder = Path(tempfile.mkdtemp(dir=out))
-        snap = host_copy.take(acc, folder, copy=copy)
-        snap.release(acc)
+        heavy = accel.heavy_states(acc, folder)
+        accel.save_small_files(acc, folder)
+        (writer.host_copy(acc, heavy) if copy else writer.Snapshot(heavy)).release(acc)
 
     host()  # (the first copy allocates the host buffers the next ones reuse)
     # (a root of its own: the saves timed below rotate theirs)

@@ -1,9 +1,8 @@
 """A resume, in one pass: find the checkpoint (:func:`find`: ``latest`` read
 once, every fallback decided there), read its manifest once, check it against
-the loop (:func:`~.compat.check_resume`), read and verify each file once
-(:func:`~.reading.stage`), check what was read, commit (:func:`commit`),
-or nothing. Also a new run from a checkpoint's weights (:func:`load_weights`).
-"""
+the loop, read and verify each file once (:func:`~.reading.stage`), check what
+was read, commit (:func:`commit`), or nothing; and a new run from a
+checkpoint's weights (:func:`load_weights`)."""
 
 from __future__ import annotations
 
@@ -41,30 +40,26 @@ _SHARED = ("A checkpoint folder must be visible to every process: a shared file 
 
 
 def resolve(resume_from, root) -> Path | None:
-    """The checkpoint directory ``resume_from`` names (:func:`find`)."""
     return find(resume_from, root)[0]
 
 
 def find(resume_from, root, stacklevel: int = 3) -> tuple[Path | None, Staged | None]:
     """The checkpoint ``resume_from`` names, and what was read and verified
-    while finding it (pass it to ``load(..., staged=...)``: nothing is read
-    twice; None when ``resume_from`` is a checkpoint's path, returned unread).
+    while finding it (for ``load(..., staged=...)``; None for a checkpoint's
+    path, returned unread).
 
-    ``"latest"``: the checkpoint ``root/latest`` names; if it cannot be
-    loaded (a temporary folder's name, missing, truncated, a checksum
-    mismatch, a file that does not deserialise, non-finite values), the
-    newest loadable one in ``root``, with a warning naming what failed;
-    ``None`` if nothing was ever saved there. A checkpoint root given as a
-    path resolves the same way, except that finding nothing is an error.
-    Any other path is returned as it is (the load checks it). ``root`` may
-    be a list of roots (the default run folders, newest first): one whose
+    ``"latest"``: the checkpoint ``root/latest`` names; if it cannot be loaded
+    (a temporary folder's name, missing, truncated, a checksum mismatch, not
+    deserialisable, not finite), the newest loadable one in ``root``, with a
+    warning naming what failed; None if nothing was ever saved there. A root
+    given as a path resolves the same way, but finding nothing is an error.
+    ``root`` may be a list (the default run folders, newest first): one whose
     checkpoint folders are all unreadable is skipped, with a warning.
 
-    With several processes every one calls this and they agree: the main
-    process's view decides which checkpoint it is, every rank reads that one
-    from its own view, and they skip the same checkpoints. A checkpoint some
-    rank cannot see is a :class:`CheckpointError` on every rank naming the
-    ranks and the path: never some ranks resuming while others start afresh.
+    With several processes they agree: the main process's view decides which
+    checkpoint it is, every rank reads it from its own view, and they skip the
+    same ones; a checkpoint some rank cannot see is a :class:`CheckpointError`
+    on every rank naming the ranks: never some resuming, some starting afresh.
     """
     roots = list(root) if isinstance(root, (list, tuple)) else [root]
     for i, one in enumerate(roots if resume_from == "latest" else roots[:1]):
@@ -124,12 +119,10 @@ def _find_in(resume_from, root, stacklevel: int, last: bool):
 
 
 def _views(resume_from, root, lenient: bool) -> tuple[list[dict], CheckpointError | None]:
-    """Every rank's view of ``resume_from`` (one ``gather_object``; none with
-    one process), and this rank's own error reading it. A view: ``kind``
-    (``"root"``: a checkpoint root, ``"path"``: anything else), ``path``
-    (its ``exists`` and ``manifest``), ``root``, the name ``latest`` holds,
-    the checkpoint ``names`` in the root, a ``warning`` (``latest`` names no
-    checkpoint) and an ``error`` message."""
+    """Every rank's view of ``resume_from`` (one ``gather_object``), and this
+    rank's own error reading it: ``kind`` (``"root"`` or ``"path"``), the
+    path (``exists``, a ``manifest``), ``root``, what ``latest`` holds, the
+    checkpoint ``names``, a ``warning`` (``latest`` names no checkpoint)."""
     view: dict[str, Any] = {"kind": "root", "path": None, "exists": False, "manifest": False, "root": None,
                             "latest": None, "names": [], "warning": None, "error": None}
     error = None
@@ -198,26 +191,18 @@ def _blind_message(views: list[dict], blind: list[int], name: str, resume_from) 
 
 
 def load(loop, path, *, strict: bool = True, trust_pickles=None, staged: Staged | None = None) -> Resume:
-    """Restore ``loop`` from the checkpoint at ``path`` (every process).
+    """Restore ``loop`` from the checkpoint at ``path`` (every process), all
+    or nothing: the manifest checked against the loop (networks, optimizer and
+    scheduler classes, the run settings that decide the data order and the
+    step count, stateful plugins), every file read and verified, shapes and
+    optimizer states checked to fit; only then are the networks, random
+    states, run state and plugin states replaced (a plugin's
+    ``load_state_dict_early(state, loop)`` before any optimizer state). Every
+    failure is a :class:`CheckpointError` naming the culprit, the loop
+    untouched; ``strict=False``: plugin and run-setting mismatches only warn.
 
-    All or nothing: the manifest is checked against the loop (networks,
-    optimizer and scheduler classes, the run settings that decide the data
-    order and the step count, stateful plugins), every file is read and
-    verified (:func:`~.reading.stage`), tensor shapes and optimizer states
-    are checked to fit; only then are models, optimizers, schedulers, random
-    states, the run state and plugin states replaced. Every failure is a
-    :class:`CheckpointError` naming the file (or setting, or plugin), with
-    the loop untouched. ``strict=False``: plugin and run-setting mismatches
-    only warn. Another number of processes, batch size or accumulation:
-    :mod:`.elastic`.
-
-    Plugins restore after the networks (``load_state_dict``); one with a
-    ``load_state_dict_early(state, loop)`` method also gets its state before
-    any optimizer state is loaded, e.g. to add back a param group.
-
-    :param trust_pickles: names of ``custom_checkpoint_<i>.pkl`` files that
-        may be unpickled although they are not plain data; default: the
-        ``trust_pickles`` of the loop's ``Checkpoint`` plugins.
+    :param trust_pickles: ``custom_checkpoint_<i>.pkl`` files that may be
+        unpickled; default: the loop's ``Checkpoint`` plugins' ``trust_pickles``.
     :param staged: what :func:`find` read of ``path`` (not read again).
     """
     acc, path = loop.accelerator, Path(path)
@@ -273,9 +258,8 @@ def load(loop, path, *, strict: bool = True, trust_pickles=None, staged: Staged 
 
 
 def commit(loop, staged: Staged, custom: list, where: str) -> None:
-    """Put the staged states into the loop's objects, as
-    ``accelerator.load_state`` does (same objects, same order, same values):
-    the networks by their format's own reader, then the rest."""
+    """The staged states into the loop's objects, as ``accelerator.load_state``
+    does (same objects, order, values): the networks by their format, then the rest."""
     acc = loop.accelerator
 
     def apply(what, rel, fn):
@@ -296,8 +280,8 @@ def commit(loop, staged: Staged, custom: list, where: str) -> None:
 
 
 def _restore_early(loop, staged: Staged, where: str) -> None:
-    """``load_state_dict_early(state, loop)`` of the plugins that have one,
-    then the param groups checked; added groups taken out again on failure."""
+    """``load_state_dict_early(state, loop)`` of the plugins that have one, then
+    the param groups checked; added groups taken out again on a failure."""
     acc = loop.accelerator
     optimizers = [getattr(o, "optimizer", o) for o in accel.optimizers(acc)]
     before = [list(o.param_groups) for o in optimizers]
@@ -320,8 +304,7 @@ def _restore_early(loop, staged: Staged, where: str) -> None:
 
 
 def _custom_states(staged: Staged, trusted: set, where: str) -> list:
-    """The states of the objects registered with Accelerate: plain data, or
-    (trusted by name) unpickled; any other pickle is refused."""
+    """The registered objects' states: plain data, or (trusted by name) unpickled."""
     out = []
     for rel, (kind, payload) in staged.custom.items():
         if kind == "data":
@@ -346,8 +329,9 @@ def _custom_states(staged: Staged, trusted: set, where: str) -> list:
 
 
 def _check_optimizers(loop, staged: Staged, where: str, groups: bool) -> None:
-    """Does each saved optimizer state fit its optimizer? ``groups``: the
-    param groups (after early plugin restores); else the rest."""
+    """Each saved optimizer state fits its optimizer: ``groups``, its param
+    groups and per-parameter shapes (after early restores); else its class
+    (a 0.1 checkpoint's, by its groups' keys)."""
     names = {entry["optimizer"]: name for name, entry in formats.describe_networks(loop).items()
              if entry.get("optimizer")}
     known_classes = bool(staged.doc.get("classes"))
@@ -396,14 +380,11 @@ def _check_groups(state: dict, now_groups, where, network, rel, cls) -> None:
 
 
 def load_weights(loop, path, *, staged: Staged | None = None) -> Path:
-    """Replace every network's weights with those of checkpoint ``path``,
-    and nothing else: no optimizer, scheduler, random states, position,
-    plugin state or run identity (``Loop.load_checkpoint(path,
-    weights_only=True)``). Works across any number of processes and run
-    settings, from a hookloop checkpoint (each network by name) or a folder
-    of Accelerate's plain format (the models by their order). Every process
-    reads them; all fail together, with nothing changed. ``staged``: what
-    :func:`find` read of ``path``."""
+    """Every network's weights from checkpoint ``path``, and nothing else
+    (``Loop.load_checkpoint(path, weights_only=True)``), on any number of
+    processes and run settings: from a hookloop checkpoint by network name,
+    from a folder of Accelerate's plain format by the models' order. All
+    processes fail together, with nothing changed."""
     acc, path = loop.accelerator, Path(path)
     where = f"checkpoint {str(path)!r}"
     if accel.kind(acc) in elastic.SHARDED:

@@ -1,13 +1,12 @@
 """Writing a checkpoint: refuse what must not be saved, let every rank write
-its files into a temporary directory (the format's, :mod:`.formats`), add
+its files (its format's, :mod:`.formats`) into a temporary directory, add
 hookloop's files and the manifest, fsync, rename into place, point
-``latest`` at it, rotate; the heavy files and everything after them in a
-background thread when the save is asynchronous (:mod:`.writer`).
-
-A save killed at any point leaves the previous checkpoint intact and
-``latest`` naming a complete one. The steps a test replaces are looked up in
-their modules at each call (``codec.write_rank_file``, ``layout.write_latest``,
-``writer.write_file``, ``finite.refuse_nonfinite``, and :func:`publish` here).
+``latest`` at it, rotate; the heavy files and everything after them in the
+background when the save is asynchronous (:mod:`.writer`). A save killed at
+any point leaves the previous checkpoint intact and ``latest`` naming a
+complete one. Steps a test replaces are looked up at each call
+(``codec.write_rank_file``, ``layout.write_latest``, ``writer.write_file``,
+``finite.refuse_nonfinite``, :func:`publish`).
 """
 
 from __future__ import annotations
@@ -36,44 +35,39 @@ from .writer import poll, wait, write_error  # noqa: F401 - importable from here
 def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None = None,
          update_latest: bool = True, keep_last: int | None = None, monitor: dict | None = None,
          keep=(), asynchronous: bool = False, on_published=None) -> Path:
-    """Write a checkpoint of ``loop`` into ``root`` atomically; every process
-    must call this (each writes its random states). Returns its directory.
+    """Write a checkpoint of ``loop`` into ``root`` atomically (every process
+    calls it: each writes its random states) and return its directory.
 
-    :param epoch_end: the loop is in ``on_epoch_end``, after the epoch's
-        evaluation: record the position as the start of the next epoch.
+    :param epoch_end: the loop is in ``on_epoch_end``: record the position as
+        the next epoch's start.
     :param name: default ``step-<global_step>`` (``-epoch-end``).
-    :param update_latest: point ``root/latest`` at it (False for emergency
-        checkpoints, which may be taken in the middle of a step).
-    :param keep_last: afterwards, delete all but the newest ``keep_last``
-        checkpoints of this run (never the one ``latest`` names, never the
-        newest finite one, never another run's).
-    :param monitor: recorded in the manifest: ``{"key", "value", "mode"}``
-        of the metric this checkpoint was evaluated at (for best-k).
+    :param update_latest: point ``root/latest`` at it (False: an emergency
+        checkpoint, which may be mid-step).
+    :param keep_last: afterwards, delete all but this run's newest ``keep_last``
+        (never what ``latest`` names, the newest finite one, another run's).
+    :param monitor: ``{"key", "value", "mode"}`` of the metric it was evaluated
+        at, recorded in the manifest (best-k ranks by it).
     :param keep: names rotation never deletes (the best ``save_top_k``).
-    :param asynchronous: copy the state to host memory and return; a
-        background thread writes the files, checksums, fsyncs, publishes,
-        points ``latest`` and rotates. The directory returned is where it
-        will be published; until then ``latest`` names the previous
-        checkpoint. :func:`wait` (every process) waits for it and raises a
+    :param asynchronous: copy the state to host memory and return; the writer
+        publishes it in the background (``latest`` names the previous one
+        until then). :func:`wait` (every process) waits for it and raises a
         :class:`CheckpointError` naming it if it failed; the next save waits
-        for it first (at most one in flight).
+        for it first.
     :param on_published: called with the published directory, on the
         training thread, when the save is settled.
 
-    Refused on every process, with nothing published: a non-finite
-    parameter or optimizer state (:class:`NonFiniteCheckpoint`), plugin state
-    that is not data, a name held by another run's checkpoint. A full disk
-    is reported as ``no space left on <dir>``.
+    Refused on every process, with nothing published: non-finite weights or
+    optimizer state (:class:`NonFiniteCheckpoint`), plugin state that is not
+    data, a name held by another run's checkpoint. A full disk is reported
+    as ``no space left on <dir>``.
     """
     acc = loop.accelerator
     wait(loop)  # at most one save in flight: this one waits for the previous one
-    root = Path(root)
-    position = loop.state.state_dict()
+    root, position = Path(root), loop.state.state_dict()
     if epoch_end:
         position.update(epoch=position["epoch"] + 1, step_in_epoch=0)
     name = name or layout.checkpoint_name(position["global_step"], epoch_end)
-    final = root / name
-    tmp = root / f"{TMP_PREFIX}{name}-{tmp_tag(loop)}"  # every rank writes into the main's
+    final, tmp = root / name, root / f"{TMP_PREFIX}{name}-{tmp_tag(loop)}"  # every rank writes into the main's
     fmt, networks, sharding = formats.of_accelerator(acc), formats.describe_networks(loop), formats.describe(loop)
     background = asynchronous and sharding is None and fmt.writes_itself
     states = {n: p.state_dict() for n, p in codec.stateful_plugins(loop)}  # every rank: may be collective
@@ -94,20 +88,18 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
             plugins = {n: codec.to_data(s, tensors, f"plugins/{n}", f"plugin {n!r}: state_dict()")
                        for n, s in states.items()}
             if final.exists() and not owns(loop, root, final):
-                raise CheckpointError(
-                    f"not saving {final}: a checkpoint of another run ({describe_run(final)}) has "
-                    "that name, and this run replaces only its own. Give Checkpoint(dir=...) "
-                    "another directory, or move that checkpoint away")
+                raise CheckpointError(f"not saving {final}: a checkpoint of another run ({describe_run(final)}) "
+                                      "has that name, and this run replaces only its own. Give "
+                                      "Checkpoint(dir=...) another directory, or move that checkpoint away")
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-
     layout.mark_live(tmp)  # (layout.clean leaves it alone until the save is over)
     handed_over = False
     try:
-        snapshot, known, own = None, {}, None
-        with every_rank(acc, catch=Exception,
-                        describe=failed(f"process {acc.process_index} could not write into {tmp}")):
+        known, own = {}, None
+        with every_rank(acc, catch=Exception, describe=failed(f"process {acc.process_index} could not write "
+                                                              f"into {tmp}")):
             # as save_state does: a rank that does not see the main's folder writes into its
             # own (check_rank_files then names the ranks whose files are not shared)
             tmp.mkdir(parents=True, exist_ok=True)
@@ -121,9 +113,30 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
         shards = formats.gather(acc, own or {}, sharding) if sharding is not None else None
         doc = _manifest(loop, final, position, networks, plugins, reason, monitor, shards)
 
-        def publish_all():
-            return _publish_all(loop, root, tmp, final, doc, tensors, snapshot, known, shards,
-                                update_latest, keep_last, keep)
+        def publish_all():  # main process: the rest of the files, the manifest, publish, latest, rotate
+            files = dict(known or writer.write_files(tmp, snapshot))
+            files.update((shards or {}).get("known", {}))  # (checksummed by the rank that wrote them)
+            files[TENSORS_FILE] = writer.write_file(tmp, TENSORS_FILE, "safetensors", tensors, {"format": FORMAT})
+            for file in sorted(tmp.rglob("*")):
+                rel = file.relative_to(tmp).as_posix()
+                if file.is_file() and rel not in files:  # Accelerate's small files, each rank's own
+                    with open(file, "rb") as f:  # (read back from the page cache)
+                        os.fsync(f.fileno())
+                        size = os.fstat(f.fileno()).st_size
+                        files[rel] = (size, safe_read.crc32_fd(f.fileno(), size))
+            for rel, (size, crc) in sorted(files.items()):
+                doc["files"][rel], doc["crc32"][rel] = size, crc
+            manifest.write(tmp, doc)
+            layout.fsync_dir(tmp)
+            published, replaced = publish(tmp, final, keep_existing=update_latest)
+            if update_latest:
+                layout.write_latest(root, published.name)
+            if replaced is not None:  # an older save of this position, now that latest moved on
+                remove(replaced)
+            if keep_last:
+                Scan(root).rotate(loop, keep_last, keep, latest=published.name if update_latest
+                                  else layout.read_latest_quietly(root))
+            return published
 
         finishing = failed(f"cannot finish checkpoint {final}")
         with every_rank(acc, catch=Exception,
@@ -138,16 +151,15 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
             return final
 
         def refused(exc):  # (on the training thread: the refusal a synchronous save makes)
-            if not isinstance(exc, _NonFiniteCopy):
-                return exc
-            return _nonfinite(loop, root, name, position["global_step"], networks, exc.found)
+            return exc if not isinstance(exc, _NonFiniteCopy) else _nonfinite(
+                loop, root, name, position["global_step"], networks, exc.found)
 
         job = writer.Job(str(final), _in_background(publish_all, root, tmp, final, snapshot, acc)
                          if main else (lambda: final), on_published, explain=refused)
         handed_over = True
         writer.start(loop, job)
-        return layout.next_generation(final) if (final.exists() and update_latest and
-                                                 layout.read_latest_quietly(root) == final.name) else final
+        return layout.next_generation(final) if (final.exists() and update_latest
+                                                 and layout.read_latest_quietly(root) == final.name) else final
     except CheckpointError:
         # a failed save leaves nothing behind; the previous checkpoint stays latest. Another
         # rank removes its folder only where it is not the main's (no rank 0 file in it:
@@ -161,9 +173,8 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
 
 
 def _in_background(publish_all, root: Path, tmp: Path, final: Path, snapshot, acc):
-    """The writer thread's work: the finiteness of the host copy, the files,
-    then :func:`_publish_all`; an error removes the unfinished folder and
-    names the checkpoint."""
+    """The writer's work: the host copy's finiteness, then ``publish_all``; a
+    failure removes the unfinished folder and names the checkpoint."""
 
     def work():
         try:
@@ -177,44 +188,13 @@ def _in_background(publish_all, root: Path, tmp: Path, final: Path, snapshot, ac
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             detail = str(exc) if isinstance(exc, CheckpointError) else write_error(exc, root, "writing it")
-            raise CheckpointError(f"the asynchronous save of checkpoint {str(final)!r} failed: {detail}. "
-                                  "Nothing was published; 'latest' still names the previous checkpoint") from exc
+            raise CheckpointError(f"the asynchronous save of checkpoint {str(final)!r} failed: {detail}. Nothing "
+                                  "was published; 'latest' still names the previous checkpoint") from exc
         finally:
             layout.mark_live(tmp, False)
             snapshot.release(acc)
 
     return work
-
-
-def _publish_all(loop, root, tmp, final, doc, tensors, snapshot, known, shards, update_latest,
-                 keep_last, keep) -> Path:
-    """Main process: whatever files are not written yet, hookloop's tensors
-    file, every file's size and checksum, the manifest, the rename into
-    place, ``latest``, rotation. Returns where it landed."""
-    known = dict(known or writer.write_files(tmp, snapshot))
-    if shards:
-        known.update(shards["known"])  # (checksummed by the rank that wrote them)
-    known[TENSORS_FILE] = writer.write_file(tmp, TENSORS_FILE, "safetensors", tensors, {"format": FORMAT})
-    for file in sorted(tmp.rglob("*")):
-        rel = file.relative_to(tmp).as_posix()
-        if file.is_file() and rel not in known:  # Accelerate's small files, each rank's own
-            with open(file, "rb") as f:  # (read back from the page cache)
-                os.fsync(f.fileno())
-                size = os.fstat(f.fileno()).st_size
-                known[rel] = (size, safe_read.crc32_fd(f.fileno(), size))
-    for rel, (size, crc) in sorted(known.items()):
-        doc["files"][rel], doc["crc32"][rel] = size, crc
-    manifest.write(tmp, doc)
-    layout.fsync_dir(tmp)
-    final, replaced = publish(tmp, final, keep_existing=update_latest)
-    if update_latest:
-        layout.write_latest(root, final.name)
-    if replaced is not None:  # an older save of this position, now that latest moved on
-        remove(replaced)
-    if keep_last:
-        Scan(root).rotate(loop, keep_last, keep, latest=final.name if update_latest
-                          else layout.read_latest_quietly(root))
-    return final
 
 
 class _NonFiniteCopy(Exception):
@@ -226,47 +206,41 @@ class _NonFiniteCopy(Exception):
 
 
 def _nonfinite(loop, root, name, step, networks, found) -> NonFiniteCheckpoint:
-    """The refusal of an asynchronous save whose host copy holds a non-finite
-    tensor, naming the network and tensor as a synchronous save does."""
+    """The refusal of an asynchronous save whose host copy is not finite,
+    naming the network and tensor as a synchronous save does."""
     rel, key, value = found
     network = next((n for n, e in networks.items() if rel in (e.get("model"), e.get("optimizer"))), "?")
     parts = re.findall(r"\[([^\]]*)\]", key)
-    if rel.endswith(".safetensors") and len(parts) == 1:
-        what = f"tensor {parts[0]} of {rel}"
-    elif len(parts) == 3 and parts[0] == "'state'":
-        what = f"optimizer state {parts[2]} of parameter #{parts[1]} ({rel})"
-    else:
-        what = f"{rel} {key}"
+    what = (f"tensor {parts[0]} of {rel}" if rel.endswith(".safetensors") and len(parts) == 1
+            else f"optimizer state {parts[2]} of parameter #{parts[1]} ({rel})"
+            if len(parts) == 3 and parts[0] == "'state'" else f"{rel} {key}")
     return finite.refusal(loop, root, name, step, network, what, value,
-                          published="It was found in the host copy before any file was written: "
-                                    "nothing was published and nothing rotated away")
+                          published="It was found in the host copy before any file was written: nothing was "
+                                    "published and nothing rotated away")
 
 
 class MissingRankFiles(CheckpointError):
-    """A rank's files are not in the folder the main process publishes: the
-    checkpoint root is not the same folder on every process."""
+    """A rank's files are not in the folder the main process publishes."""
 
 
 def check_rank_files(tmp: Path, final: Path, num_processes: int) -> None:
-    """Main process, after every rank wrote into its ``tmp``: each rank's own
-    files are in this process's ``tmp`` (one ``stat`` each); else
-    :class:`MissingRankFiles` naming the ranks, the files and the folder."""
+    """Main process: each rank's own files are in ``tmp`` (one ``stat`` each);
+    else :class:`MissingRankFiles` naming the ranks, the files and the folder."""
     missing: dict[int, list[str]] = {}
     for rank in range(num_processes):
         for rel in (accel.rng_file(rank), RANK_FILE.format(rank=rank)):
             if not os.path.exists(tmp / rel):
                 missing.setdefault(rank, []).append(rel)
-    if not missing:
-        return
-    several = len(missing) > 1
-    raise MissingRankFiles(
-        f"cannot save checkpoint {str(final)!r}: rank{'s' if several else ''} "
-        f"{', '.join(map(str, missing))} wrote {'their' if several else 'its'} files, but they are "
-        f"not in {str(tmp)!r}, the folder the main process publishes (missing there: "
-        + "; ".join(f"rank {r}: {', '.join(rels)}" for r, rels in missing.items())
-        + "). A checkpoint folder must be visible to every process: a shared file system, with "
-        "the same Checkpoint(dir=...) on every process. Nothing was published; 'latest' still "
-        "names the previous checkpoint")
+    if missing:
+        several = len(missing) > 1
+        raise MissingRankFiles(
+            f"cannot save checkpoint {str(final)!r}: rank{'s' if several else ''} {', '.join(map(str, missing))} "
+            f"wrote {'their' if several else 'its'} files, but they are not in {str(tmp)!r}, the folder the main "
+            "process publishes (missing there: " + "; ".join(f"rank {r}: {', '.join(rels)}" for r, rels in
+                                                             missing.items())
+            + "). A checkpoint folder must be visible to every process: a shared file system, with the same "
+            "Checkpoint(dir=...) on every process. Nothing was published; 'latest' still names the previous "
+            "checkpoint")
 
 
 #: loop -> (its run id on this process, the agreed tag of its temporary folders)
@@ -274,11 +248,10 @@ _TAGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def tmp_tag(loop) -> str:
-    """``<run id prefix>-<pid>`` of the main process: what makes a run's
-    temporary save folders (``.tmp-<name>-<tag>``) its own, the same on every
-    rank (agreed once per loop and run id, one broadcast)."""
-    run_id = loop.state.run.id
-    cached = _TAGS.get(loop)
+    """``<run id prefix>-<pid>`` of the main process: makes a run's temporary
+    save folders (``.tmp-<name>-<tag>``) its own, the same on every rank
+    (agreed once per loop and run id: one broadcast)."""
+    run_id, cached = loop.state.run.id, _TAGS.get(loop)
     if cached is not None and cached[0] == run_id:
         return cached[1]
     tag = f"{run_id[:8]}-{os.getpid()}"
@@ -291,25 +264,19 @@ def tmp_tag(loop) -> str:
 
 
 def _manifest(loop, final: Path, position, networks, plugins, reason, monitor=None, shards=None) -> dict:
-    """The manifest of a save, at its safe point: everything but the files'
-    sizes and checksums (:func:`_publish_all`)."""
+    """The manifest of a save, at its safe point, but the files' sizes and checksums."""
     import accelerate
 
     classes = {networks[name][part]: accel.class_name(getattr(net, part))  # for a clear error on resume
                for name, net in loop.networks.items() for part in ("optimizer", "scheduler")
                if networks[name].get(part)}
-    doc = {
-        "format": FORMAT, "version": VERSION, "reason": reason,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "versions": {"hookloop": __version__, "torch": torch.__version__, "accelerate": accelerate.__version__},
-        "num_processes": loop.accelerator.num_processes,
-        "loop": position, "run": loop.state.run_dict(), "networks": networks,
-        "accelerate": accel.counts(loop.accelerator), "plugins": plugins,
-        "files": {}, "crc32": {}, "checksum": manifest.CHECKSUM,
-        "run_id": loop.state.run.id, "root": os.path.realpath(final.parent),
-        "settings": run_settings(loop), "classes": classes,
-        "checks": {"finite": True},  # save() refused non-finite state before writing
-    }
+    doc = {"format": FORMAT, "version": VERSION, "reason": reason, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "versions": {"hookloop": __version__, "torch": torch.__version__, "accelerate": accelerate.__version__},
+           "num_processes": loop.accelerator.num_processes, "loop": position, "run": loop.state.run_dict(),
+           "networks": networks, "accelerate": accel.counts(loop.accelerator), "plugins": plugins, "files": {},
+           "crc32": {}, "checksum": manifest.CHECKSUM, "run_id": loop.state.run.id,
+           "root": os.path.realpath(final.parent), "settings": run_settings(loop), "classes": classes,
+           "checks": {"finite": True}}  # (save() refused non-finite state before writing)
     if monitor is not None:
         doc["monitor"] = monitor
     if shards:
@@ -319,17 +286,13 @@ def _manifest(loop, final: Path, position, networks, plugins, reason, monitor=No
 
 def publish(tmp: Path, final: Path, keep_existing: bool = True) -> tuple[Path, Path | None]:
     """Rename the finished save into place; returns ``(where it is, the
-    checkpoint it replaces or None)``.
-
-    A complete checkpoint is never moved away before its replacement is in
-    place: when one of the same name exists and ``latest`` names it (and
-    ``keep_existing``), the new save takes the next free generation of the
-    name (``step-00000040.1``) and the old one is returned, to be deleted
-    once ``latest`` names the new one. One that ``latest`` does not name is
-    moved aside and replaced; killed in between, ``latest`` still names a
-    complete checkpoint."""
-    root = final.parent
-    replaced = None
+    checkpoint it replaces or None)``. A complete checkpoint is never moved
+    away before its replacement is in place: when ``latest`` names one of the
+    same name (and ``keep_existing``), the new save takes the next generation
+    of the name (``step-00000040.1``) and the old one is returned, to be
+    deleted once ``latest`` names the new one; one that ``latest`` does not
+    name is moved aside and replaced."""
+    root, replaced = final.parent, None
     if final.exists() and keep_existing and layout.read_latest_quietly(root) == final.name:
         final, replaced = layout.next_generation(final), final
     elif final.exists():
