@@ -314,7 +314,7 @@ def restore_rest(acc, staged, custom: list, apply) -> None:
         apply("the gradient scaler state", SCALER_FILE, lambda: load_scaler(acc, staged.scaler))
     for i, (obj, state) in enumerate(zip(acc._custom_objects, custom)):
         apply(f"registered object #{i}", custom_file(i), lambda o=obj, s=state: o.load_state_dict(s))
-    source = staged.process_index if staged.source_rank is None else staged.source_rank
+    source = staged.source_rank
     derive = None if source == staged.process_index else staged.process_index
     apply(f"the random states of process {staged.process_index}", rng_file(source),
           lambda: restore_rng(acc, staged.rng, derive_for=derive))

@@ -109,8 +109,8 @@ def _check_networks(loop, doc: dict, where: str) -> None:
 def check_shapes(loop, staged, where: str) -> None:
     """The tensor names and shapes of the staged models (or, sharded, in
     DCP's metadata) against the loop's."""
-    if staged.sharded is not None:
-        formats.check_shapes(loop, staged.sharded, where)
+    for saved, shapes, network, rel in formats.dcp_shapes(loop, staged.sharded) if staged.sharded else ():
+        compare_shapes(saved, shapes, network, where, rel)
     owner = {entry["model"]: name for name, entry in formats.describe_networks(loop).items()}
     for i, (state, model) in enumerate(zip(staged.models, accel.models(loop.accelerator))):
         compare_shapes({k: tuple(v.shape) for k, v in state.items()}, model.state_dict(),

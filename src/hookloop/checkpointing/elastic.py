@@ -289,7 +289,7 @@ def needed_ranks(staged, plan: Plan) -> list[int]:
     those whose ``loop.log`` values it takes over (rank ``r`` of ``P'`` takes
     ``r, r + P', r + 2P' ...``)."""
     saved, now = plan.processes
-    mine = staged.process_index if staged.source_rank is None else staged.source_rank
+    mine = staged.source_rank
     return sorted({0, *range(staged.process_index, saved, now)} - {mine})
 
 

@@ -335,14 +335,13 @@ def restore_dcp(loop, staged, apply) -> None:
               lambda n=name: load(loop.networks[n], staged.path / DCP_DIR / n, staged.sharded.schedulers.get(n)))
 
 
-def check_shapes(loop, sharded: Sharded, where: str) -> None:
-    """The tensor names and shapes in each DCP ``.metadata`` against the
-    models' (what the safetensors headers are for the plain format)."""
+def dcp_shapes(loop, sharded: Sharded) -> list:
+    """``(saved shapes, the models' shapes, network, rel)`` of each DCP
+    ``.metadata`` whose shapes are compared (what the safetensors headers
+    are for the plain format)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    from .reading import compare_shapes
-
-    expected = of_manifest(sharded.doc).shapes(loop)
+    out, expected = [], of_manifest(sharded.doc).shapes(loop)
     for name in sharded.doc["networks"]:
         if not isinstance(loop.networks[name].model, FullyShardedDataParallel):
             expected[f"{DCP_DIR}/{name}"] = ("model.", tensor_shapes(loop.networks[name].model), name)
@@ -350,7 +349,8 @@ def check_shapes(loop, sharded: Sharded, where: str) -> None:
         if part in sharded.metadata:
             saved = {k[len(prefix):]: tuple(v.size) for k, v in sharded.metadata[part].state_dict_metadata.items()
                      if k.startswith(prefix) and getattr(v, "size", None) is not None}
-            compare_shapes(saved, shapes, network, where, f"{part}/.metadata")
+            out.append((saved, shapes, network, f"{part}/.metadata"))
+    return out
 
 
 def tensor_shapes(model) -> dict:

@@ -231,7 +231,7 @@ def load(loop, path, *, strict: bool = True, trust_pickles=None, staged: Staged 
             folder = Folder(path, doc)
             parts = {r: read_rank_file(folder, r) for r in elastic.needed_ranks(staged, plan)}
             folder.settle()
-            mine = staged.process_index if staged.source_rank is None else staged.source_rank
+            mine = staged.source_rank
             parts[mine] = (staged.epoch_start, staged.generators, staged.logged)
     _restore_early(loop, staged, where)
     elastic.scale_schedulers(loop, staged, plan)

@@ -11,6 +11,7 @@ import json
 import os
 import zlib
 from pathlib import Path
+from typing import Any
 
 from . import safe_read
 from .errors import CheckpointError
@@ -66,11 +67,11 @@ def read_manifest(path) -> dict:
     if not os.path.lexists(path / STATE_FILE):  # (a FIFO or a link out is refused below, by name)
         from .accelerate import written_by_save_state
 
-        entries = sorted(p.name for p in path.iterdir())
+        listed = sorted(p.name for p in path.iterdir())
         why = ("it is a save that never finished (a temporary directory)" if path.name.startswith(TMP_PREFIX)
                else "it looks written by accelerator.save_state without hookloop; load it with "
                     "accelerator.load_state" if written_by_save_state(path)
-               else f"it contains: {', '.join(entries[:6]) + (' ...' if len(entries) > 6 else '') or 'nothing'}")
+               else f"it contains: {', '.join(listed[:6]) + (' ...' if len(listed) > 6 else '') or 'nothing'}")
         raise CheckpointError(f"{str(path)!r} is not a hookloop checkpoint: it has no {STATE_FILE} ({why})")
     try:
         doc = peek_checked(path)
@@ -95,7 +96,7 @@ def read_manifest(path) -> dict:
         raise CheckpointError(f"{where}: its files are checksummed with {str(doc['checksum'])[:50]!r}; this "
                               f"hookloop verifies {CHECKSUM!r} only: upgrade hookloop")
     for key in ("files", "crc32"):  # entries inside the checkpoint, whole numbers
-        entries = doc.get(key)
+        entries: Any = doc.get(key)
         if entries is None and key == "crc32":
             continue
         if not isinstance(entries, dict):

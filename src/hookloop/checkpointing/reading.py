@@ -50,7 +50,7 @@ class Staged:
     logged: dict = field(default_factory=dict)
     #: whose per-process files were read: this process's, or rank 0's for a
     #: rank the checkpoint has none of (it was written by fewer processes)
-    source_rank: int | None = None
+    source_rank: int = 0
     #: a sharded format's verified share (:func:`~.formats.stage_sharded`); None: plain
     sharded: formats.Sharded | None = None
 
@@ -205,7 +205,8 @@ def stage(path, doc: dict | None = None, process_index: int | None = None) -> St
             sharding = doc.get("sharding")
             staged.sharded = formats.stage_sharded(folder, rank) if sharding is not None else None
             plain = sharding is None or sharding["accelerate"]["format"] == formats.PLAIN
-            counts = {**doc["accelerate"], **({} if plain else {"schedulers": sharding["scheduler_files"]})}
+            counts = {**doc["accelerate"], **({"schedulers": sharding["scheduler_files"]} if sharding and not plain
+                                              else {})}
             read_accelerate(folder, staged, counts, labels(doc["networks"]), models=plain)
             staged.epoch_start, staged.generators, staged.logged = read_rank_file(folder, staged.source_rank)
             tensors = folder.tensors(TENSORS_FILE, "the plugin states") if folder.has(TENSORS_FILE) else {}

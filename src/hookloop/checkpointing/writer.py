@@ -111,7 +111,7 @@ def write_error(exc: BaseException, root: Path, what: str) -> str:
     """The message for a failed write: ``no space left on <dir>`` when the disk
     (or quota) is full, whatever the library said (torch's zip writer reports
     ``unexpected pos``), else the error itself."""
-    full, seen, cause = False, set(), exc
+    full, seen, cause = False, set(), exc  # type: bool, set[int], BaseException | None
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
         full = full or (isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)))
@@ -167,7 +167,8 @@ def host_copy(acc, files: list) -> Snapshot:
     storage once (views and shared storages stay views and shared, as
     ``torch.save`` records them), every container new in its own type and
     order (so that it pickles as the original does)."""
-    pool, storages, out = _POOLS.setdefault(acc, {}), {}, Snapshot(files)
+    pool, out = _POOLS.setdefault(acc, {}), Snapshot(files)
+    storages: dict[tuple[Any, int], Any] = {}  # (device, data_ptr) -> host storage
 
     def tensor(t: torch.Tensor, rel: str, key: tuple) -> torch.Tensor:
         source = t.untyped_storage()

@@ -42,6 +42,7 @@ BUILTINS = {
     "trainer-callbacks": TrainerCallbacks,
 }
 
-__all__ = ["BUILTINS", "Checkpoint", "FiniteCheck", "NonFiniteLoss", "DefaultLoss", "DefaultMetrics", "GradClip", "Logger", "Preemption", "ProgressBar", "SampleGrid"]
+__all__ = ["BUILTINS", "Checkpoint", "FiniteCheck", "NonFiniteLoss", "DefaultLoss", "DefaultMetrics", "GradClip",
+           "Logger", "Preemption", "ProgressBar", "SampleGrid"]
 __all__ += ["GradientAccumulationScheduler", "LambdaCallback", "LearningRateMonitor", "ModelSummary",
             "ThroughputMonitor", "Timer", "TrainLoss"]
