@@ -76,11 +76,14 @@ def run(loop: LoopLike, data: Iterable[Any], logbook: Logbook, metrics: Mapping[
             with torch.no_grad():
                 for batch in batches:
                     outputs = outputs_of(loop, batch)
+                    versions = [(t, t._version) for t in _tensors(batch)]  # (in-place changes: seen)
                     if named is not None:
                         results = named(loop=loop, batch=batch, outputs=outputs)
                     else:
                         results = [(None, r) for r in hook.after_eval_step(loop=loop, batch=batch,
                                                                            outputs=outputs)]
+                    if any(t._version != v for t, v in versions):
+                        raise _changed_in_place(loop, batch, versions)
                     values.add(results, batch)
                     if limit is not None and values.batches >= limit:
                         break
@@ -165,7 +168,8 @@ class Values:
                     continue
                 if examples is None:
                     examples = batch_examples(batch)
-                _check_count(self.loop, plugin, key, value, examples, self._processes)
+                if self.loop.plugins.sources.get(plugin or "") != "built-in":  # (the checks are for plugins)
+                    _check_count(self.loop, plugin, key, value, examples, self._processes)
                 value = value.detach().to(torch.float64)
                 self.sums[key] = self.sums.get(key, 0.0) + value.sum()
                 self.counts[key] = self.counts.get(key, 0) + value.numel()
@@ -180,12 +184,12 @@ class Values:
         owner = self.owners[key]
         if owner == plugin or owner is None or plugin is None:
             return True
-        if replaces(self.loop.plugins, plugin, owner):  # this one replaces the owner: its values go
+        if replaces(self.loop.plugins, plugin, owner, key):  # this one replaces the owner: its values go
             self.owners[key] = plugin
             self.sums.pop(key, None)
             self.counts.pop(key, None)
             return True
-        if replaces(self.loop.plugins, owner, plugin):
+        if replaces(self.loop.plugins, owner, plugin, key):
             return False
         raise collision("after_eval_step value", key, owner, plugin)
 
@@ -217,9 +221,9 @@ def _check_count(loop: LoopLike, plugin: str | None, key: str, value: torch.Tens
     if examples is None:
         return
     n, expected = value.numel(), examples * processes
-    if n == expected:
-        return
     last = loop.accelerator.gradient_state.end_of_dataloader
+    if n == expected or (last and n <= expected and (processes > 1 or n > 1)):
+        return  # (the last batch holds fewer: even one example, on one rank)
     who = f"plugin {plugin!r}" if plugin else "an after_eval_step implementation"
     if n == 1 and expected > 1:
         problem = ("a single value (a batch mean?): return one value per example, e.g. "
@@ -228,11 +232,33 @@ def _check_count(loop: LoopLike, plugin: str | None, key: str, value: torch.Tens
         problem = (f"this process's {examples} values, not the batch's {expected} over "
                    f"{processes} processes: pass them through loop.accelerator.gather_for_metrics, "
                    "or every process computes another mean")
-    elif last and n <= expected:
-        return
     else:
         problem = f"{n} values for a batch of {expected} examples ({examples} per process)"
     raise ValueError(f"after_eval_step: {who} returned {key!r} as {problem}")
+
+
+def _tensors(batch: Any, depth: int = 0) -> list[torch.Tensor]:
+    """The tensors of a batch (in dicts, lists and tuples, a few levels deep)."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    return [t for item in items for t in _tensors(item, depth + 1)] if depth < 4 else []
+
+
+def _changed_in_place(loop: Any, batch: Any, versions: list[tuple[torch.Tensor, int]]) -> ValueError:
+    """An ``after_eval_step`` implementation changed the batch in place (its
+    tensors' version counters moved): name it, and what it changed."""
+    impls = [i.plugin_name for i in reversed(loop.plugins.pm.hook.after_eval_step.get_hookimpls())
+             if loop.plugins.sources.get(i.plugin_name) != "built-in"]
+    who = (f"plugin {impls[0]!r}" if len(impls) == 1 else
+           f"one of the plugins {', '.join(map(repr, impls))}" if impls else "an after_eval_step implementation")
+    changed = [i for i, (t, v) in enumerate(versions) if t._version != v]
+    shapes = ", ".join(f"tensor #{i} of shape {list(versions[i][0].shape)}" for i in changed[:3])
+    exc = ValueError(f"after_eval_step: {who} changed the evaluation batch in place ({shapes} of the batch): "
+                     "the metrics computed after it would be wrong. Work on a copy (t.clone()) instead")
+    if len(impls) == 1:
+        exc.hookloop_culprit = (impls[0], "after_eval_step")  # type: ignore[attr-defined]
+    return exc
 
 
 def _bad_result(loop: Any, plugin: str | None, values: object) -> TypeError:

@@ -127,7 +127,7 @@ def on_loop_start(loop: LoopLike) -> None:
     it prepares the networks and data or restores ``resume_from``.
 
     The place for what must hold for the loop's whole life, not one fit:
-    the ``Checkpoint`` plugin installs its signal handlers here, so that a
+    the ``preemption`` plugin installs its signal handlers here, so that a
     preemption during start-up, ``load_checkpoint``, or an ``evaluate`` /
     ``predict`` after ``fit`` also ends with status 75. Nothing is prepared
     yet: ``loop.networks`` hold the user's objects.

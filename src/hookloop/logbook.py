@@ -29,12 +29,27 @@ if TYPE_CHECKING:  # names for the annotations only
     from .state import LoopState
 
 
-def replaces(plugins: Any, writer: str | None, owner: str | None) -> bool:
-    """Whether plugin ``writer`` declares that it replaces plugin ``owner``."""
+def replaces(plugins: Any, writer: str | None, owner: str | None, key: str = "") -> bool:
+    """Whether plugin ``writer``'s value of ``key`` replaces plugin ``owner``'s:
+    ``writer`` declares so (``replaces = ("owner",)``), or ``owner`` is a
+    default built-in and ``writer`` a plugin the user chose (a default gives
+    way: said once, at info level)."""
     if writer is None or owner is None:
         return False
     declared = getattr(plugins.get(writer), "replaces", ())
-    return owner in ((declared,) if isinstance(declared, str) else tuple(declared or ()))
+    if owner in ((declared,) if isinstance(declared, str) else tuple(declared or ())):
+        return True
+    sources = getattr(plugins, "sources", {})
+    if sources.get(owner) != "built-in" or sources.get(writer, "built-in") == "built-in":
+        return False
+    if (key, owner, writer) not in plugins.gave_way:
+        plugins.gave_way.add((key, owner, writer))
+        import logging
+
+        logging.getLogger("hookloop").info(
+            "hookloop: %r is written by plugin %r and by the built-in default %r: the default gives way "
+            "(%r's value is kept; block=[%r] leaves it out)", key, writer, owner, writer, owner)
+    return True
 
 
 def collision(what: str, key: str, owner: str, writer: str) -> ValueError:
@@ -59,6 +74,7 @@ class Logbook:
         #: while a batch is trained: the number of the update it belongs to
         self.step: int | None = None
         self._step_owners: dict[str, tuple[str, int]] = {}  # tracker key -> (plugin, step), this fit
+        self._told_untracked = False  # said once where loop.log's values go without a tracker
 
     def start_fit(self) -> None:
         self._step_owners = {}
@@ -84,7 +100,13 @@ class Logbook:
             if not acc.is_main_process:
                 return
             if not acc.trackers and not (self.trackers.fitting and self.trackers.start()):
-                return  # nobody to write to: nothing read
+                if not self._told_untracked:  # nobody to write to: nothing read, and said once
+                    self._told_untracked = True
+                    print(f"hookloop: loop.log({', '.join(map(repr, list(values)[:3]))}...) goes to no tracker: "
+                          "none is configured. Accelerator(log_with='tensorboard', project_dir=...) (or "
+                          "'wandb', 'mlflow', hookloop.trackers.JSONLinesTracker(dir)) records every value; "
+                          "on_epoch=True values reach the epoch's metrics either way", file=sys.stderr)
+                return
             acc.log({k: v.item() if isinstance(v, torch.Tensor) else v for k, v in values.items()},
                     step=step)
 
@@ -100,10 +122,10 @@ class Logbook:
             if previous is None or previous[0] == writer or previous[1] != step:
                 continue
             owner = previous[0]
-            if replaces(self.plugins, owner, writer):
+            if replaces(self.plugins, owner, writer, key):
                 owners[key] = previous
                 kept = {k: v for k, v in kept.items() if k != key}
-            elif not replaces(self.plugins, writer, owner):
+            elif not replaces(self.plugins, writer, owner, key):
                 raise collision(f"loop.log key (at step {step})", key, owner, writer)
         return kept
 
@@ -123,11 +145,11 @@ class Logbook:
             owner = owners.setdefault(key, writer)
             if owner == writer:
                 continue
-            if replaces(self.plugins, writer, owner):
+            if replaces(self.plugins, writer, owner, key):
                 owners[key] = writer
                 if target is not None:
                     target.forget(key)  # the replaced plugin's values of the epoch go
-            elif replaces(self.plugins, owner, writer):
+            elif replaces(self.plugins, owner, writer, key):
                 kept = {k: v for k, v in kept.items() if k != key}
             else:
                 raise collision(what, key, owner, writer)
@@ -164,6 +186,12 @@ class Metrics(dict[str, float]):
             self._put(key, default, self._writer())
         return self[key]
 
+    def __missing__(self, key: str) -> float:
+        hint = (f"; hookloop names it {'eval_' + key[4:]!r} (Lightning's {key!r})"
+                if key.startswith("val_") else "")
+        raise KeyError(f"metrics[{key!r}]: there is no such metric here; the metrics are "
+                       f"{sorted(self) or 'none'}{hint}")
+
     def _writer(self) -> str | None:
         if self._plugins is None:
             return None
@@ -182,9 +210,9 @@ class Metrics(dict[str, float]):
             )
         owner = self._owners.get(key)
         if key in self and owner is not None and writer is not None and owner != writer:
-            if replaces(self._plugins, owner, writer):
+            if replaces(self._plugins, owner, writer, key):
                 return  # the owner replaces this writer's value
-            if not replaces(self._plugins, writer, owner):
+            if not replaces(self._plugins, writer, owner, key):
                 raise collision("metrics key", key, owner, writer)
         # a Real (int, float, a numpy number) stands for a float
         dict.__setitem__(self, key, cast(float, value))

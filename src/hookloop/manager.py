@@ -89,6 +89,8 @@ class PluginManager:
         self.sources: dict[str, str] = {}
         #: hooks whose trylast order could not be applied (warned once each)
         self._unordered: set[str] = set()
+        #: (key, default, plugin) of the keys a default built-in gave way on (said once each)
+        self.gave_way: set[tuple[str, str, str]] = set()
         self._guarding = False  # inside guard(): only the outermost acts
         self.hook = HookRelay(self.pm)
         if os.environ.get(ENV_TRACE):

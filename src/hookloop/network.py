@@ -12,6 +12,28 @@ from typing import Any
 import torch
 
 
+class _NotMeasured:
+    """``network.grad_norm`` while no plugin measures the gradient norm: falsy,
+    and a clear error where it would be used as a number."""
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "NOT_MEASURED"
+
+    def __float__(self) -> float:
+        raise ValueError("network.grad_norm was not measured: no plugin measures the gradient norm "
+                         "(GradClip(max_norm=...) does, at every update); test "
+                         "`network.grad_norm is not NOT_MEASURED` first")
+
+    item = __float__
+
+
+#: ``network.grad_norm`` until a plugin measures it (``hookloop.NOT_MEASURED``)
+NOT_MEASURED: Any = _NotMeasured()
+
+
 @dataclass(eq=False)
 class Network:
     """A model, the optimizer that updates it and, optionally, its scheduler.
@@ -38,8 +60,9 @@ class Network:
     #: the plain module, before any DDP/FSDP wrapping
     unwrapped: Any = None
     #: the last gradient norm a clipping plugin measured (a 0-d tensor), for
-    #: logging; ``None`` when nothing clips
-    grad_norm: Any = None
+    #: logging; :data:`NOT_MEASURED` (falsy) while no plugin measures it
+    #: (``GradClip(max_norm=...)`` does, at every update)
+    grad_norm: Any = NOT_MEASURED
     #: ``"step"`` or ``"epoch"``: when the scheduler steps
     scheduler_interval: str = "step"
     #: every how many steps (updates) or epochs

@@ -249,3 +249,45 @@ def test_the_guide_s_logging_example_puts_train_loss_in_the_metrics():
     reset_accelerate()
     metrics = tiny_loop([namespace["TrainLoss"]()], eval_data=True).fit(epochs=1)
     assert {"train_loss", "eval_loss"} <= set(metrics) and metrics["train_loss"] > 0
+
+
+def test_the_guide_s_grad_norm_logger_logs_at_50_and_100_with_and_without_gradclip():
+    import re
+
+    from hookloop.plugins import GradClip
+    from hookloop.testing import reset_accelerate, tiny_loop
+
+    text = GUIDE_PATH.read_text()
+    code = next(c for c in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "class GradNormLogger" in c)
+    namespace = {}
+    exec(compile(code, "docs/plugins.md:GradNormLogger", "exec"), namespace)
+    for clip in ([GradClip(max_norm=1.0)], []):
+        reset_accelerate()
+        loop = tiny_loop([namespace["GradNormLogger"](), *clip], n=64, batch_size=4)  # 16 updates an epoch
+        logged = []
+        loop.log = lambda values, **kwargs: logged.append((loop.state.global_step + 1, float(*values.values())))
+        loop.fit(max_steps=100)
+        assert [update for update, _ in logged] == [50, 100], clip
+        assert all(norm > 0 for _, norm in logged)
+
+
+def test_the_plugin_guide_runs_without_a_warning_about_untrained_parameters(tmp_path, monkeypatch):
+    """0.3: the PredictionWriter example built a Loop of one model with another's optimizer."""
+    import re
+    import runpy
+    import warnings
+
+    from hookloop.testing import reset_accelerate
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOOKLOOP_DISABLE_PLUGIN_AUTOLOAD", "1")
+    namespace = runpy.run_path(str(ROOT / "docs" / "example_names.py"))
+    code = re.findall(r"(<!-- fragment: [^>]*-->\n)?```python\n(.*?)```", GUIDE_PATH.read_text(), flags=re.S)
+    reset_accelerate()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for fragment, block in code:
+            if not fragment:
+                exec(compile(block, "docs/plugins.md", "exec"), namespace)
+    reset_accelerate()
+    assert not [w for w in seen if "no param group" in str(w.message)], [str(w.message) for w in seen]

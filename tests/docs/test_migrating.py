@@ -6,6 +6,7 @@ page's; the LightningModule port trains as Lightning does."""
 import csv
 import importlib.util
 import json
+import math
 import random
 import re
 
@@ -66,10 +67,12 @@ def glue_argv(root, out, *extra):
             "--output_dir", str(out), *extra]
 
 
-def script_loop(glue, args):
+def script_loop(glue, args, corrected=False, groups=None):
     """run_glue_no_trainer.py's own training loop (its lines 549-581 and the
-    evaluation 583-600, one process, no accumulation), on the port's model,
-    data, optimizer and scheduler."""
+    evaluation 583-600, one process), on the port's model, data, optimizer and
+    scheduler. With ``--gradient_accumulation_steps k`` it updates when ``step %
+    k == 0`` (transformers issue 15801); ``corrected``: ``(step + 1) % k == 0``.
+    ``groups``: the number of batches of each update is appended to it."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -79,15 +82,25 @@ def script_loop(glue, args):
     optimizer, lr_scheduler = glue.optimizer_and_scheduler(args, model, train_dataloader)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    accuracies = []
+    k = args.gradient_accumulation_steps
+    max_train_steps = args.num_train_epochs * math.ceil(len(train_dataloader) / k)  # (its lines 459-462)
+    accuracies, completed, batches = [], 0, 0
     for epoch in range(args.num_train_epochs):
         model.train()
         for step, batch in enumerate(train_dataloader):
             outputs = model(**batch)
-            accelerator.backward(outputs.loss)
-            optimizer.step()
-            lr_scheduler.step()
-            optimizer.zero_grad()
+            accelerator.backward(outputs.loss / k)
+            batches += 1
+            if (step + 1 if corrected else step) % k == 0 or step == len(train_dataloader) - 1:
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+                completed += 1
+                if groups is not None:
+                    groups.append(batches)
+                batches = 0
+            if completed >= max_train_steps:
+                break
         model.eval()
         correct = total = 0
         for batch in eval_dataloader:
@@ -123,6 +136,31 @@ def test_the_glue_port_trains_as_the_script_s_loop_bit_for_bit(glue, tiny_glue, 
     saved = AutoModelForSequenceClassification.from_pretrained(out)
     assert all(torch.equal(a, b) for a, b in zip(saved.parameters(), ours))
     assert saved.config.id2label == {0: "neg", 1: "pos"}
+
+
+def test_porting_fixes_the_script_s_accumulation_and_matches_it_once_its_line_is_corrected(glue, tiny_glue,
+                                                                                            tmp_path):
+    """docs/migrating.md, Gradient accumulation: the script's ``step % k == 0``
+    makes the first update of every epoch from one batch, and the run stops
+    before the end of its last epoch; the port does what Accelerate's
+    ``accumulate`` means, and equals the script with ``(step + 1) % k == 0``."""
+    from hookloop.testing import reset_accelerate
+
+    argv = glue_argv(tiny_glue, tmp_path / "out", "--gradient_accumulation_steps", "2")
+    loop, _ = glue.main(argv)  # 8 batches an epoch, 2 epochs: 4 updates of 2 batches an epoch
+    ours = [p.detach().clone() for p in loop.networks["model"].unwrapped.parameters()]
+    assert loop.state.global_step == 8 and loop.state.micro_step == 16
+    loop.close()
+    for corrected in (False, True):
+        reset_accelerate()
+        groups = []
+        theirs, _ = script_loop(glue, glue.parse_args(argv), corrected=corrected, groups=groups)
+        if corrected:
+            assert groups == [2] * 8
+            assert all(torch.equal(a, b) for a, b in zip(ours, theirs))  # bit for bit
+        else:  # batches 0 | 1 2 | 3 4 | 5 6 | 7, then 0 | 1 2 | 3 4 and max_train_steps: 8 updates
+            assert groups == [1, 2, 2, 2, 1, 1, 2, 2]
+            assert sum(groups) == 13 and not all(torch.equal(a, b) for a, b in zip(ours, theirs))
 
 
 def test_the_glue_port_checkpoints_tracks_and_resumes(glue, tiny_glue, tmp_path):

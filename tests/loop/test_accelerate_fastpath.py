@@ -109,9 +109,9 @@ def test_trains_bit_for_bit_like_the_hand_written_loop_without_accelerates_looku
     got, loop = with_hookloop(**kwargs)
     assert same(expected, got)
     assert accelerate_lookups == []  # every step went through the fast path
-    assert loop._fastpath.is_fast(loop.networks["model"].optimizer)
+    assert loop.fastpath.is_fast(loop.networks["model"].optimizer)
     # the loss is divided by the accumulation steps: Accelerate's own backward
-    assert loop._fastpath.plain_backward == (accumulation == 1)
+    assert loop.fastpath.plain_backward == (accumulation == 1)
 
 
 def test_bf16_really_changes_the_numbers():
@@ -122,7 +122,7 @@ def test_bf16_really_changes_the_numbers():
 def test_switched_off_by_the_environment(monkeypatch, accelerate_lookups):
     monkeypatch.setenv(fastpath.ENV, "0")
     got, loop = with_hookloop()
-    assert not loop._fastpath.enabled
+    assert not loop.fastpath.enabled
     assert len(accelerate_lookups) == 2 * EPOCHS * 10  # two per AcceleratedOptimizer.step
     assert same(by_hand(), got)
 
@@ -132,7 +132,7 @@ def test_accelerate_code_other_than_the_verified_gets_accelerates_own_calls(
 ):
     monkeypatch.setitem(fastpath.VERIFIED, "AcceleratedOptimizer.zero_grad", {"0" * 16})
     got, loop = with_hookloop()
-    assert not loop._fastpath.enabled
+    assert not loop.fastpath.enabled
     assert accelerate_lookups
     assert same(by_hand(), got)
 
@@ -147,7 +147,7 @@ def test_a_method_replaced_on_accelerates_class_turns_it_off(monkeypatch):
 
     monkeypatch.setattr(AcceleratedOptimizer, "step", step)
     got, loop = with_hookloop()
-    assert not loop._fastpath.enabled
+    assert not loop.fastpath.enabled
     assert len(calls) == EPOCHS * 10
 
 
@@ -178,7 +178,7 @@ def test_a_plugin_that_wraps_the_optimizer_step_sees_every_call():
     wrapper = WrapOptimizer()
     got, loop = with_hookloop(plugins=[wrapper])
     assert (wrapper.steps, wrapper.zero_grads) == (EPOCHS * 10, EPOCHS * 10)
-    assert not loop._fastpath.is_fast(loop.networks["model"].optimizer)
+    assert not loop.fastpath.is_fast(loop.networks["model"].optimizer)
     assert same(by_hand(), got)
 
 
@@ -194,7 +194,7 @@ def test_an_accelerator_subclass_keeps_its_own_backward():
     CountingAccelerator.calls = 0
     got, loop = with_hookloop(accelerator_class=CountingAccelerator)
     assert CountingAccelerator.calls == EPOCHS * 10
-    assert not loop._fastpath.plain_backward
+    assert not loop.fastpath.plain_backward
 
 
 def test_an_optimizer_with_a_gradient_scaler_gets_accelerates_step():

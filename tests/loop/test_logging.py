@@ -212,3 +212,15 @@ def test_hookloop_plugins_shows_the_instances_a_list_of_names_gets(capsys):
                  '{"max_norm": 1.0}']) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == ["logger", "logger-2", "fast", "gradclip"]
+
+
+def test_loop_log_without_a_tracker_says_once_where_the_values_go(tiny_loop, capsys):
+    class Logs:
+        @hookimpl
+        def after_step(self, loop):
+            loop.log({"a": 1.0})
+
+    tiny_loop([Logs()]).fit(max_steps=5)  # 0.3: dropped, silently
+    err = capsys.readouterr().err
+    assert err.count("goes to no tracker") == 1
+    assert "loop.log('a'...) goes to no tracker: none is configured. Accelerator(log_with='tensorboard'" in err

@@ -49,15 +49,17 @@ def test_instances_keep_their_values_apart_by_name(tiny_loop):
     assert {"Named/clip_fraction", "Named-2/clip_fraction"} <= set(metrics)
 
 
-def test_a_plugin_returning_eval_loss_beside_the_built_in_metrics_is_an_error(tiny_loop):
+def test_the_built_in_metrics_give_way_to_a_plugin_returning_eval_loss_two_plugins_are_an_error(tiny_loop):
     class MyLoss:
         @hookimpl
         def after_eval_step(self, loop, batch, outputs):
             return {"eval_loss": loop.accelerator.gather_for_metrics(outputs.sum(-1) * 0 + 50.0)}
 
+    metrics = tiny_loop([MyLoss()], eval_data=True).fit(epochs=1)  # a default gives way (0.3: an error)
+    assert metrics["eval_loss"] == 50.0 and "eval_accuracy" in metrics
     with pytest.raises(ValueError, match=r"after_eval_step value 'eval_loss' is written by plugin "
-                                         r"'MyLoss' and by plugin 'metrics'.*replaces = \('MyLoss',\)"):
-        tiny_loop([MyLoss()], eval_data=True).fit(epochs=1)
+                                         r"'MyLoss' and by plugin 'MyLoss-2'.*replaces = \('MyLoss',\)"):
+        tiny_loop([MyLoss(), MyLoss()], eval_data=True).fit(epochs=1)  # two of the user's: an error
 
     class Replacing(MyLoss):
         replaces = ("metrics",)  # its eval_loss is the one
@@ -158,3 +160,32 @@ def test_train_loss_is_the_epoch_s_mean_training_loss(tiny_loop):
     losses = [call["loss"].item() for call in recorder.calls_of("after_step")]
     assert metrics["train_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-12)
     assert "train_loss" not in tiny_loop().fit(epochs=1)  # not a default: nothing per step
+
+
+def test_a_plugin_that_changes_the_evaluation_batch_in_place_is_named(tiny_loop):
+    class Relabel:  # 0.3: accuracy 0.81 -> 0.34, silently
+        @hookimpl
+        def after_eval_step(self, batch):
+            batch[1].fill_(1)
+
+    loop = tiny_loop([Relabel()], eval_data=True)
+    with pytest.raises(ValueError, match=r"after_eval_step: plugin 'Relabel' changed the evaluation batch "
+                                         r"in place \(tensor #1 of shape \[8\] of the batch\).*clone") as info:
+        loop.fit(epochs=1)
+    assert "'after_eval_step' of plugin 'Relabel'" in info.value.__notes__[0]
+
+
+def test_a_metric_that_is_not_there_lists_the_metrics_and_names_lightning_s_val_loss(tiny_loop):
+    seen = []
+
+    class Lightning:
+        @hookimpl
+        def on_epoch_end(self, metrics):
+            try:
+                metrics["val_loss"]
+            except KeyError as exc:
+                seen.append(str(exc))
+
+    tiny_loop([Lightning()], eval_data=True).fit(epochs=1)
+    assert "there is no such metric here; the metrics are ['eval_accuracy', 'eval_loss']" in seen[0]
+    assert "hookloop names it 'eval_loss' (Lightning's 'val_loss')" in seen[0]

@@ -388,3 +388,40 @@ def test_an_accelerator_whose_state_was_reset_is_named():
     reset_accelerate()  # what creating transformers.TrainingArguments does
     with pytest.raises(RuntimeError, match="state was reset after this Accelerator was created"):
         tiny_loop(accelerator=accelerator)
+
+
+def test_a_default_built_in_gives_way_to_the_user_plugin_that_writes_its_key(caplog):
+    """0.3 added ``perplexity`` to the default metrics: a 0.2 plugin writing it
+    failed with a key collision. The user's value wins, said once (info)."""
+    import logging
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hookloop.testing import reset_accelerate
+
+    class Perplexity:  # as ported run_clm_no_trainer.py scripts wrote it in 0.2
+        @hookimpl
+        def on_eval_end(self, metrics):
+            metrics["perplexity"] = 2.0 ** metrics["eval_loss"]  # (not the default's exp)
+
+    class EvalLoss:  # an after_eval_step value the default metrics also return
+        @hookimpl
+        def after_eval_step(self, batch, loop):
+            n = batch["input_ids"].shape[0]
+            return {"eval_loss": loop.accelerator.gather_for_metrics(torch.full((n,), 7.0))}
+
+    reset_accelerate()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2))
+    ids = torch.randint(0, 64, (8, 24))
+    data = DataLoader([{"input_ids": ids[i], "labels": ids[i]} for i in range(8)], batch_size=4)
+    loop = Loop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), train_data=data,
+                eval_data=data, plugins=[Perplexity(), EvalLoss()], block=["progress"])
+    with caplog.at_level(logging.INFO, logger="hookloop"):
+        first = loop.fit(epochs=1)
+        second = loop.fit(epochs=2)
+    for metrics in (first, second):
+        assert metrics["eval_loss"] == 7.0 and metrics["perplexity"] == 2.0 ** 7.0
+    said = [r.getMessage() for r in caplog.records if "gives way" in r.getMessage()]
+    assert len(said) == 2, said  # once per key, not once per evaluation
+    assert any("'perplexity'" in m and "'metrics'" in m for m in said)

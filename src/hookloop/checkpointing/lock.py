@@ -25,6 +25,7 @@ import json
 import os
 import socket
 import stat
+import sys
 import time
 import uuid
 import warnings
@@ -312,8 +313,9 @@ def acquire(root, run_id: str, owner=None) -> RunLock:
                     break
                 if info.live:
                     raise CheckpointError(live_message(info, root, for_fit=True))
-                warnings.warn(f"hookloop: taking over the stale run lock {info.path}: "
-                              f"{info.describe()}; {info.why}", RuntimeWarning, stacklevel=4)
+                # a crash is what resuming is for: one plain line, not a warning
+                print(f"hookloop: taking over the stale run lock {info.path} of a run that ended without "
+                      f"releasing it: {info.describe()}; {info.why}", file=sys.stderr)
                 again = read_lock(root)  # the one judged stale still (under the guard)
                 if again is not None and again.doc == info.doc:
                     os.unlink(info.path)

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..markers import hookimpl
+from ..network import NOT_MEASURED
 
 if TYPE_CHECKING:  # names for the annotations only
     from torch import Tensor
@@ -75,7 +76,7 @@ class Logger:
             if network.optimizer is not None:
                 for i, group in enumerate(network.optimizer.param_groups):
                     values["lr" + suffix + (f"/group{i}" if i else "")] = group["lr"]
-            if network.grad_norm is not None:
+            if network.grad_norm is not NOT_MEASURED:
                 values["grad_norm" + suffix] = float(network.grad_norm)
         loop.log({self._prefix + k: v for k, v in values.items()})
         if self.console:

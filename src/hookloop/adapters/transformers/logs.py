@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ...network import NOT_MEASURED
 from .values import named, number
 
 
@@ -86,7 +87,7 @@ class TrainingLog:
             self._total_loss[key] = self._total_loss.get(key, 0.0) + value
             logs[named("loss", key)] = value / steps
         for name, network in loop.networks.items():
-            if network.grad_norm is not None:
+            if network.grad_norm is not NOT_MEASURED:
                 logs[named("grad_norm", name if several else None)] = number(network.grad_norm)
         for name, network in loop.networks.items():
             if network.optimizer is None:
