@@ -487,12 +487,11 @@ def test_the_guide_s_prediction_writer_writes_every_batch(tmp_path, monkeypatch)
     _, blocks = guide_blocks()
     monkeypatch.chdir(tmp_path)
     set_seed(0)
-    model = torch.nn.Linear(4, 3)
-    x = torch.randn(20, 4)
-    namespace = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
-                 "train": DataLoader(TensorDataset(x, torch.zeros(20, dtype=torch.long)), batch_size=8),
+    x = torch.randn(20, 8)
+    namespace = {"train": DataLoader(TensorDataset(x, torch.zeros(20, dtype=torch.long)), batch_size=8),
                  "test_data": DataLoader(TensorDataset(x), batch_size=8)}
-    exec(compile(blocks[1], "docs/plugins.md:prediction-writer", "exec"), namespace)
+    exec(compile(blocks[1], "docs/plugins.md:prediction-writer", "exec"), namespace)  # (it builds its model)
+    model = namespace["model"]
     files = sorted((tmp_path / "predictions").iterdir())
     assert [f.name for f in files] == ["rank0-00000.pt", "rank0-00001.pt", "rank0-00002.pt"]
     written = torch.cat([torch.load(f) for f in files])

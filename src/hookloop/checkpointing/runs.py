@@ -134,11 +134,11 @@ def run_identity(loop) -> RunIdentity:
     return loop.state.run
 
 
-def _owned(loop, root, doc: dict) -> bool:
+def _owned(run: RunIdentity, root, doc: dict) -> bool:
     """A checkpoint with the run's id written in ``root``, or any of the run's
     there once it resumed from ``root``; one without a run id (0.1's) belongs
     to a run that resumed one such in ``root``."""
-    run, here, rid = loop.state.run, os.path.realpath(root), doc.get("run_id")
+    here, rid = os.path.realpath(root), doc.get("run_id")
     if rid is None:
         return run.legacy and run.resumed_root == here
     return rid == run.id and (doc.get("root") == here or run.resumed_root == here)
@@ -158,7 +158,8 @@ def manifest_or_warn(path) -> dict | None:
 class Scan:
     """The checkpoints of a root and their manifests, each read once
     (unreadable ones skipped with a warning: nobody's, never replaced or
-    rotated away). ``known``: manifests already read, by path."""
+    rotated away). ``known``: manifests already read, by path. The methods
+    take the run (``loop.state.run``) whose checkpoints are "mine"."""
 
     root: Path
     known: dict = field(default_factory=dict)
@@ -170,10 +171,10 @@ class Scan:
         self.found = [(p, doc) for p in list_checkpoints(self.root)
                       if (doc := known.get(os.path.realpath(p)) or manifest_or_warn(p)) is not None]
 
-    def foreign(self, loop) -> list[Path]:
-        return [p for p, doc in self.found if not _owned(loop, self.root, doc)]
+    def foreign(self, run: RunIdentity) -> list[Path]:
+        return [p for p, doc in self.found if not _owned(run, self.root, doc)]
 
-    def best(self, loop, key: str, mode: str, k: int | None = None, extra=None, mine: bool = True):
+    def best(self, run: RunIdentity, key: str, mode: str, k: int | None = None, extra=None, mine: bool = True):
         """``(value, path)`` of the checkpoints recording a finite value of
         ``key``, best first (the newer first among equals), at most ``k``,
         this run's only unless ``mine`` is False; ``extra``: one not written yet."""
@@ -182,7 +183,7 @@ class Scan:
             mon = doc.get("monitor") if isinstance(doc.get("monitor"), dict) else {}
             value = mon.get("value")
             if (mon.get("key") == key and isinstance(value, (int, float)) and not isinstance(value, bool)
-                    and math.isfinite(value) and (not mine or _owned(loop, self.root, doc))):
+                    and math.isfinite(value) and (not mine or _owned(run, self.root, doc))):
                 found.append((float(value), path))
         if extra is not None:
             found = [f for f in found if f[1].name != extra[1].name] + [extra]
@@ -190,12 +191,12 @@ class Scan:
         found.sort(key=lambda vp: ((1.0 if mode == "min" else -1.0) * vp[0], -order[vp[1].name]))
         return found[:k] if k is not None else found
 
-    def rotate(self, loop, keep_last: int, protected=(), latest: str | None = None) -> None:
+    def rotate(self, run: RunIdentity, keep_last: int, protected=(), latest: str | None = None) -> None:
         """Delete this run's oldest checkpoints beyond ``keep_last``; never
         ``latest`` (what ``latest`` names), the newest finite one, or one
         ``protected`` names; never another run's."""
         keep = {latest, *protected}
-        mine = [(p, doc) for p, doc in self.found if _owned(loop, self.root, doc)]
+        mine = [(p, doc) for p, doc in self.found if _owned(run, self.root, doc)]
         keep.update([p.name for p, doc in mine if (doc.get("checks") or {}).get("finite")][-1:])
         gone = {p for p, _ in mine[: max(0, len(mine) - keep_last)] if p.name not in keep}
         for path in gone:
@@ -207,17 +208,17 @@ def owns(loop, root, path) -> bool:
     """Whether checkpoint ``path`` in ``root`` belongs to ``loop``'s run (an
     unreadable one is nobody's, with a warning)."""
     doc = manifest_or_warn(path)
-    return doc is not None and _owned(loop, root, doc)
+    return doc is not None and _owned(loop.state.run, root, doc)
 
 
 def foreign_checkpoints(loop, root) -> list[Path]:
     """The checkpoints in ``root`` that do not belong to ``loop``'s run."""
-    return Scan(root).foreign(loop)
+    return Scan(root).foreign(loop.state.run)
 
 
 def best_checkpoints(loop, root, key: str, mode: str, k: int | None = None, extra=None,
                      mine: bool = True) -> list[tuple[float, Path]]:
-    return Scan(root).best(loop, key, mode, k, extra, mine)
+    return Scan(root).best(loop.state.run, key, mode, k, extra, mine)
 
 
 def remove(path: Path) -> None:
@@ -252,7 +253,7 @@ def open_root(loop, root: Path, owner, resumed=None, keep_last: int | None = Non
     try:
         layout.clean(root)  # with the lock: every other temporary is a dead run's
         scan = Scan(root, known=dict([resumed]) if resumed else {})
-        if foreign := scan.foreign(loop):
+        if foreign := scan.foreign(loop.state.run):
             _refuse_foreign(loop, root, foreign)
         if resumed is not None and Path(resumed[0]).parent.resolve() == Path(root).resolve():
             path = Path(resumed[0])
@@ -263,8 +264,8 @@ def open_root(loop, root: Path, owner, resumed=None, keep_last: int | None = Non
                               f"({', '.join(newer)}) of the run that went on from there: this run's checkpoints "
                               "will replace them, and rotation may delete them", RuntimeWarning, stacklevel=3)
             if keep_last:
-                scan.rotate(loop, keep_last, {*newer, *(p.name for _, p in scan.best(loop, *best))} if best
-                            else set(newer), latest=path.name)
+                best_ones = {p.name for _, p in scan.best(loop.state.run, *best)} if best else set()
+                scan.rotate(loop.state.run, keep_last, {*newer, *best_ones}, latest=path.name)
         return held, scan
     except BaseException:
         held.release(owner=owner)

@@ -139,7 +139,7 @@ class Checkpoint(checkpointing.CheckpointPolicy):
         :meth:`directory` (this run's, unless ``mine`` is False), or None."""
         if self.monitor is None:
             return None
-        found = runs.Scan(self.directory(loop)).best(loop, self.monitor, self.mode, 1, mine=mine)
+        found = runs.Scan(self.directory(loop)).best(loop.state.run, self.monitor, self.mode, 1, mine=mine)
         return found[0] if found else None
 
     # -- hooks -----------------------------------------------------------------
@@ -286,7 +286,7 @@ class Checkpoint(checkpointing.CheckpointPolicy):
             if monitor is not None:
                 record = {"key": self.monitor, "value": monitor, "mode": self.mode}
             extra = (monitor, root / name) if monitor is not None and math.isfinite(monitor) else None
-            keep = {p.name for _, p in runs.Scan(root).best(loop, self.monitor, self.mode,
+            keep = {p.name for _, p in runs.Scan(root).best(loop.state.run, self.monitor, self.mode,
                                                             self.save_top_k, extra)}
         self.last_reason = reason
 
@@ -331,7 +331,7 @@ class Checkpoint(checkpointing.CheckpointPolicy):
     def _update_best(self, loop, scan=None):
         if self.monitor is None:
             return
-        found = (scan or runs.Scan(self.directory(loop))).best(loop, self.monitor, self.mode, 1)
+        found = (scan or runs.Scan(self.directory(loop))).best(loop.state.run, self.monitor, self.mode, 1)
         self.best = {"path": found[0][1], "value": found[0][0]} if found else None
 
     def _emergency(self, loop, exception):
