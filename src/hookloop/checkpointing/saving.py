@@ -134,7 +134,7 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
             if replaced is not None:  # an older save of this position, now that latest moved on
                 remove(replaced)
             if keep_last:
-                Scan(root).rotate(loop, keep_last, keep, latest=published.name if update_latest
+                Scan(root).rotate(loop.state.run, keep_last, keep, latest=published.name if update_latest
                                   else layout.read_latest_quietly(root))
             return published
 
