@@ -41,9 +41,10 @@ HERE = Path(__file__).resolve().parent
 
 #: variants per workload; "hand" is the reference of every ratio
 WORKLOADS = {
-    "mlp": ["plain", "hand", "hookloop", "hookloop-nofast", "hookloop-log", "hookloop-noop10"],
+    "mlp": ["plain", "hand", "hookloop", "hookloop-nofast", "hookloop-log", "hookloop-noop10",
+            "ignite", "ptacc", "lightning"],
     # the fast path saves ~0.1 ms of a 25 ms step here: not worth the minute
-    "bert": ["plain", "hand", "hookloop"],
+    "bert": ["plain", "hand", "hookloop", "ignite", "ptacc", "lightning"],
     "gan": ["plain", "hand", "hookloop", "hookloop-nofast"],
     # the loops' own cost in µs; not in the default run (--workloads empty)
     "empty": ["plain", "hand", "hookloop", "hookloop-nofast"],
@@ -51,7 +52,7 @@ WORKLOADS = {
 DEFAULT = ("mlp", "bert", "gan")
 #: the smoke run exercises every code path, not every comparison
 QUICK_WORKLOADS = {
-    "mlp": ["plain", "hand", "hookloop", "hookloop-log", "hookloop-noop10"],
+    "mlp": ["plain", "hand", "hookloop", "hookloop-log", "hookloop-noop10", "ignite", "ptacc", "lightning"],
     "bert": ["hand", "hookloop"],
     "gan": ["hand", "hookloop"],
 }
@@ -62,7 +63,12 @@ LABELS = {
     "hookloop-nofast": "hookloop, defaults, fast path off",
     "hookloop-log": "hookloop + Logger(every=50) + progress bar",
     "hookloop-noop10": "hookloop + 10 no-op plugins",
+    # the peers (peers.py): their own loops on the same objects
+    "ignite": "PyTorch-Ignite (create_supervised_trainer)",
+    "ptacc": "pytorch-accelerated Trainer",
+    "lightning": "Lightning Trainer",
 }
+PEERS = ("ignite", "ptacc", "lightning")
 
 
 # -- one measurement (a fresh process) ----------------------------------------------
@@ -81,10 +87,16 @@ def worker(workload: str, variant: str, device: str, quick: bool, clock: str, re
         torch.use_deterministic_algorithms(True, warn_only=True)
     import workloads as W
 
-    if variant != "plain":  # plain PyTorch: Accelerate not even imported
+    if variant not in ("plain", *PEERS):  # plain PyTorch: Accelerate not even imported
         from accelerate import Accelerator
     if variant.startswith("hookloop"):
         import hookloop  # noqa: F401 - imported before the memory baseline
+    if variant in PEERS:  # imported first, as a script does (importing pytorch_accelerated draws
+        import importlib  # from torch's generator)
+
+        import peers
+
+        importlib.import_module(peers.MODULES[variant])
 
     W.seed_everything(0)
     work = W.Workload(workload, quick, deterministic)
@@ -94,6 +106,10 @@ def worker(workload: str, variant: str, device: str, quick: bool, clock: str, re
     plugins = None
     if variant == "plain":
         models = W.run_plain(work, clock, device)
+    elif variant in PEERS:  # (pytorch-accelerated makes its own Accelerator)
+        import peers
+
+        models = peers.run(variant, work, clock, device)
     else:
         accelerator = Accelerator(cpu=device == "cpu")
         if variant == "hand":
@@ -353,7 +369,16 @@ def main(argv=None) -> int:
 
 
 def _available(workload, variant) -> bool:
-    """Skip what this checkout cannot run yet, saying so."""
+    """Skip what this checkout cannot run yet, or this machine lacks, saying so."""
+    if variant in PEERS:
+        import importlib.util
+
+        import peers
+
+        if importlib.util.find_spec(peers.MODULES[variant].split(".")[0]) is None:
+            print(f"note: {peers.MODULES[variant]} is not installed: {LABELS[variant]} skipped "
+                  "(pip install pytorch-ignite pytorch-accelerated lightning)", file=sys.stderr)
+            return False
     if workload == "gan" and variant.startswith("hookloop"):
         try:
             from hookloop.strategies import GAN  # noqa: F401

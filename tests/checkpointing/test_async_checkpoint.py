@@ -7,6 +7,8 @@ checkpoint resumes bit for bit. And the files are Accelerate's."""
 
 import io
 import json
+import os
+import re
 import threading
 import zipfile
 from pathlib import Path
@@ -16,6 +18,7 @@ import torch
 from accelerate import Accelerator
 
 import runner
+import writer_setup
 from hookloop import hookimpl
 from hookloop import checkpointing
 from hookloop.checkpointing import CheckpointError, read_latest, writer
@@ -59,43 +62,27 @@ _CIRCUMSTANCES = {"created", "run_id", "root", "manifest_crc32"}
 
 
 class Hold:
-    """Holds the background writer of the checkpoints named in ``names``
-    before it writes their ``optimizer.bin`` (model written, the rest not),
-    until :meth:`release`; records what happened, in order."""
+    """Holds the writer process of the checkpoints named in ``names`` before
+    it writes their ``optimizer.bin`` (model written, the rest not), until
+    :meth:`release`; records what happened in both processes, in order."""
 
-    def __init__(self, monkeypatch, *names, release_after=None):
-        self.names = set(names)
-        self.gate = threading.Event()
-        self.events = []
-        write, publish = writer.write_file, saving.publish
+    def __init__(self, monkeypatch, folder, *names, release_after=None):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.file = folder / "events.jsonl"
+        config = {"events": str(self.file), "hold": list(names)}
+        if release_after is not None:  # (after it is held: later than the training
+            config["release_after"] = release_after  # thread's return, were it not waiting)
+        writer_setup.use(monkeypatch, **config)
 
-        def write_file(folder, rel, *args, **kwargs):
-            name = _name(folder)
-            if rel == "model.safetensors":
-                self.events.append(("write", name))
-            if name in self.names and rel == "optimizer.bin":
-                self.events.append(("held", name))
-                if release_after is not None:  # (0.3 s after it is held: later than the
-                    self.release(release_after)  # training thread's return, were it not waiting)
-                assert self.gate.wait(30), "never released"
-            return write(folder, rel, *args, **kwargs)
+    @property
+    def events(self) -> list:
+        return writer_setup.read(self.file)
 
-        def published(tmp, final, *args, **kwargs):
-            out = publish(tmp, final, *args, **kwargs)
-            self.events.append(("published", final.name))
-            return out
-
-        monkeypatch.setattr(writer, "write_file", write_file)
-        monkeypatch.setattr(saving, "publish", published)
+    def append(self, event) -> None:
+        writer_setup.record(self.file, *event)
 
     def release(self, after: float = 0.0):
-        threading.Timer(after, self.gate.set).start()
-
-
-def _name(folder) -> str:
-    """``step-00000004`` from ``.tmp-step-00000004-<run>-<pid>``."""
-    name = Path(folder).name
-    return name[len(".tmp-"):].rsplit("-", 2)[0] if name.startswith(".tmp-") else name
+        threading.Timer(after, (self.file.parent / f"{self.file.name}.release").touch).start()
 
 
 class Watch:
@@ -188,12 +175,12 @@ def test_the_files_are_accelerates_and_accelerator_load_state_reads_them(tmp_pat
 
 
 def test_training_goes_on_during_the_write_and_the_next_save_waits_for_it(tmp_path, monkeypatch):
-    hold = Hold(monkeypatch, "step-00000004")
-    events = hold.events
+    hold = Hold(monkeypatch, tmp_path / "events", "step-00000004")
     # at update 5, the save of update 4 is held mid-write: latest names update 2's
-    watch = Watch(tmp_path, events, at={5: lambda loop: hold.release(after=0.2)})
+    watch = Watch(tmp_path, hold, at={5: lambda loop: hold.release(after=0.2)})
     loop, checkpoint = make(tmp_path, watch)
     loop.fit(max_steps=7)
+    events = hold.events
     # update 5 trained while update 4's save was unfinished (held until then), and the
     # previous checkpoint stayed latest
     assert ("step", 5, "step-00000002") in events
@@ -207,7 +194,7 @@ def test_training_goes_on_during_the_write_and_the_next_save_waits_for_it(tmp_pa
 
 
 def test_the_fit_end_waits_for_the_writer(tmp_path, monkeypatch):
-    hold = Hold(monkeypatch, "step-00000003", release_after=0.3)
+    hold = Hold(monkeypatch, tmp_path / "events", "step-00000003", release_after=0.3)
     loop, checkpoint = make(tmp_path, every_steps=None)
     loop.fit(max_steps=3)
     assert ("published", "step-00000003") in hold.events
@@ -216,7 +203,7 @@ def test_the_fit_end_waits_for_the_writer(tmp_path, monkeypatch):
 
 
 def test_close_waits_for_a_save_made_outside_a_fit(tmp_path, monkeypatch):
-    hold = Hold(monkeypatch, "step-00000000-epoch-end", release_after=0.3)
+    hold = Hold(monkeypatch, tmp_path / "events", "step-00000000-epoch-end", release_after=0.3)
     loop, checkpoint = make(tmp_path)
     path = checkpoint.save(loop)  # outside a fit: at once, in the background
     assert path == tmp_path / "step-00000000-epoch-end" and checkpoint.saving == path
@@ -227,7 +214,7 @@ def test_close_waits_for_a_save_made_outside_a_fit(tmp_path, monkeypatch):
 
 
 def test_an_exception_waits_for_the_writer(tmp_path, monkeypatch):
-    Hold(monkeypatch, "step-00000002", release_after=0.3)
+    Hold(monkeypatch, tmp_path / "events", "step-00000002", release_after=0.3)
 
     def fail(loop):
         raise RuntimeError("boom at update 3")
@@ -240,14 +227,7 @@ def test_an_exception_waits_for_the_writer(tmp_path, monkeypatch):
 
 
 def test_a_failed_write_is_an_error_naming_the_checkpoint(tmp_path, monkeypatch):
-    write = writer.write_file
-
-    def full_disk(folder, rel, *args, **kwargs):
-        if _name(folder) == "step-00000004" and rel == "optimizer.bin":
-            raise OSError(28, "No space left on device")
-        return write(folder, rel, *args, **kwargs)
-
-    monkeypatch.setattr(writer, "write_file", full_disk)
+    writer_setup.use(monkeypatch, fail=["step-00000004", "optimizer.bin"])
     loop, checkpoint = make(tmp_path)
     with pytest.raises(CheckpointError, match=r"asynchronous save of checkpoint .*step-00000004.* "
                                               r"failed: .*No space left on device"):
@@ -278,14 +258,7 @@ def test_a_non_finite_host_copy_is_refused_by_the_writer_before_any_file(tmp_pat
     tensor and the update they went bad at, and the last finite checkpoint stays."""
     from hookloop.plugins import GradClip
 
-    written = []
-    write = writer.write_file
-
-    def recording(folder, rel, *args, **kwargs):
-        written.append((_name(folder), rel))
-        return write(folder, rel, *args, **kwargs)
-
-    monkeypatch.setattr(writer, "write_file", recording)
+    writer_setup.use(monkeypatch, events=str(tmp_path / "events.jsonl"))
     # (FiniteCheck blocked: update 7's NaN loss would stop the fit first, the refusal a warning)
     loop, _ = make(tmp_path, NaNGradAt(6), GradClip(max_norm=1.0), block=["progress", "finite"])
     with pytest.raises(checkpointing.NonFiniteCheckpoint) as info:
@@ -295,10 +268,45 @@ def test_a_non_finite_host_copy_is_refused_by_the_writer_before_any_file(tmp_pat
     assert "first went bad at update 6 (GradClip" in message
     assert "still names step-00000004, the last finite checkpoint" in message
     assert info.value.network == "model" and info.value.first_bad[0] == 6
-    assert [rel for name, rel in written if name == "step-00000006"] == []  # not one file
+    assert ("write", "step-00000006") not in writer_setup.read(tmp_path / "events.jsonl")  # not one file
+    assert ("write", "step-00000004") in writer_setup.read(tmp_path / "events.jsonl")
     assert read_latest(tmp_path) == "step-00000004"
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("hookloop.lock")) == [
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(("hookloop.lock", "events"))) == [
         "latest", "step-00000002", "step-00000004"]
+
+
+def test_best_k_keeps_what_the_synchronous_run_keeps_however_slow_the_writer(tmp_path, monkeypatch):
+    """``save_top_k=2`` on ``eval_loss`` with a save at every evaluation: whatever the
+    writer's timing (every file operation slowed by 10 ms, as on network storage), an
+    asynchronous run keeps exactly the checkpoints the synchronous run keeps: the
+    best-k ranking and the rotation are decided in the order the saves were asked
+    for, never against a save still in flight. (0.3 ranked against the last
+    *published* save: 3 runs in 4 lost one of the best two, silently.)"""
+    import time
+
+    from hookloop.checkpointing import layout
+
+    def run(root, asynchronous):
+        reset_accelerate()
+        checkpoint = Checkpoint(dir=root, monitor="eval_loss", save_top_k=2, asynchronous=asynchronous,
+                                signals=None)
+        loop = tiny_loop([checkpoint], accelerator=Accelerator(), eval_data=True)
+        loop.fit(max_steps=32, eval_every=4)
+        loop.close()
+        return sorted(p.name for p in checkpointing.list_checkpoints(root)), checkpoint.best["path"].name
+
+    expected = run(tmp_path / "sync", asynchronous=False)
+    assert expected == (["step-00000028", "step-00000032-epoch-end"], "step-00000032-epoch-end")
+    write_file, write_latest = writer.write_file, layout.write_latest
+
+    def slowly(step):
+        return lambda *args, **kwargs: (time.sleep(0.01), step(*args, **kwargs))[1]
+
+    monkeypatch.setattr(writer, "write_file", slowly(write_file))  # (a writer in this process)
+    monkeypatch.setattr(layout, "write_latest", slowly(write_latest))
+    writer_setup.use(monkeypatch, slow=0.01)  # (the writer process)
+    for i in range(4):
+        assert run(tmp_path / f"async-{i}", asynchronous=True) == expected, f"run {i}"
 
 
 def test_asynchronous_must_be_a_bool():
@@ -343,6 +351,33 @@ def test_killed_during_a_background_write_the_previous_checkpoint_resumes_bit_fo
     assert json.loads((out / "run.json").read_text())["started_at"] == 4
     assert runner.same(final, reference) == []
     assert not list(root.glob(".tmp-*"))
+
+
+def test_a_writer_process_killed_mid_write_is_an_error_and_the_previous_checkpoint_resumes(tmp_path):
+    """``kill -9`` of the writer process (the OOM killer's choice, say) while it writes
+    update 6's checkpoint: the training process stops at its next safe point with a
+    CheckpointError naming the writer and the checkpoint, never reports it saved, and
+    a new run resumes update 4's checkpoint bit for bit."""
+    import signal
+
+    reference = AsyncRun(tmp_path / "reference", *SUPERVISED).finish()
+    out = tmp_path / "run"
+    run = AsyncRun(out, *SUPERVISED, "--hold", "6", name="held")
+    run.wait_paused()
+    writer_pid = json.loads((out / "paused-0").read_text())["pid"]
+    assert writer_pid != run.process.pid  # the writer is a process of its own
+    os.kill(writer_pid, signal.SIGKILL)
+    assert run.wait() != 0
+    log = run.output()
+    assert re.search(rf"CheckpointError: the asynchronous save of checkpoint '[^']*step-00000006' failed: the "
+                     rf"checkpoint writer process \(pid {writer_pid}\) died with exit status -9 while writing "
+                     r"it\. Nothing was published; 'latest' still names the previous checkpoint", log), log[-3000:]
+    root = out / "checkpoints"
+    assert read_latest(root) == "step-00000004-epoch-end"
+    assert not (root / "step-00000006").exists() and not list(root.glob(".tmp-*"))
+    final = AsyncRun(out, *SUPERVISED, name="final").finish()
+    assert json.loads((out / "run.json").read_text())["started_at"] == 4
+    assert runner.same(final, reference) == []
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hookloop import Loop, hookimpl
 from hookloop import checkpointing
-from hookloop.checkpointing import CheckpointError, codec, read_manifest, saving
+from hookloop.checkpointing import CheckpointError, codec, read_manifest, writer
 from hookloop.checkpointing.manifest import manifest_crc
 from hookloop.plugins import Checkpoint, GradClip
 from hookloop.preemption import PREEMPTED_EXIT_CODE, Preempted
@@ -397,14 +397,14 @@ def test_a_sigterm_during_the_final_save_ends_with_status_75(tmp_path, monkeypat
     handed_on = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: handed_on.append(signum))
     try:
-        publish = saving.publish
+        publish = writer.publish
 
         def publish_and_get_signalled(tmp, final, **options):
             if final.name == "step-00000003":
                 os.kill(os.getpid(), signal.SIGTERM)
             return publish(tmp, final, **options)
 
-        monkeypatch.setattr(saving, "publish", publish_and_get_signalled)
+        monkeypatch.setattr(writer, "publish", publish_and_get_signalled)
         loop = tiny_loop([Checkpoint(dir=tmp_path, every_steps=2)])
         with pytest.raises(Preempted) as info:
             loop.fit(max_steps=3)

@@ -331,12 +331,12 @@ def test_a_run_folder_taken_meanwhile_gives_the_next_one(tmp_path, monkeypatch):
 
 
 def test_the_temporary_folders_of_two_runs_saving_at_once_do_not_collide(tmp_path, monkeypatch):
-    from hookloop.checkpointing import saving
+    from hookloop.checkpointing import writer
 
     root = tmp_path / "checkpoints"
     a = tiny_loop(seed=1)
     b = tiny_loop(seed=2)
-    original = saving.publish
+    original = writer.publish
     seen = {}
 
     def publish(tmp, final, *args, **kwargs):
@@ -348,7 +348,7 @@ def test_the_temporary_folders_of_two_runs_saving_at_once_do_not_collide(tmp_pat
             seen["b"] = tmp
         return original(tmp, final, *args, **kwargs)
 
-    monkeypatch.setattr(saving, "publish", publish)
+    monkeypatch.setattr(writer, "publish", publish)
     checkpointing.save(a, root, reason="test", name="step-00000004", update_latest=False)
     assert seen["a"] != seen["b"]
     assert seen["a"].name.startswith(".tmp-step-00000004-")

@@ -3,11 +3,11 @@ tests/checkpointing/test_async_checkpoint.py.
 
     python async_resumable.py OUT [resumable.py's options] [--hold K]
 
-``--hold K`` holds the background writer of the checkpoint after update K
+``--hold K`` holds the writer process of the checkpoint after update K
 between its model's file and its optimizer's (``model.safetensors`` written,
-``optimizer.bin`` not yet): the script writes OUT/paused-0 (pid, where) and
-the writer sleeps until killed, while training goes on (and waits at its
-next save, which waits for this one).
+``optimizer.bin`` not yet): it writes OUT/paused-0 (the writer's pid, where)
+and sleeps until killed, while training goes on (and waits at its next save,
+which waits for this one). See writer_setup.py.
 """
 
 import functools
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import resumable
-from hookloop.checkpointing import writer
+import writer_setup
 from hookloop.plugins import Checkpoint
 
 
@@ -29,14 +29,9 @@ def main(argv):
     out = Path(argv[0])
     resumable.Checkpoint = functools.partial(Checkpoint, asynchronous=True)
     if hold is not None:
-        original = writer.write_file
+        import os
 
-        def held(folder, rel, *args, **kwargs):
-            if f"step-{hold:08d}" in Path(folder).name and rel == "optimizer.bin":
-                resumable.pause_here(out, 0, f"background write {hold}")
-            return original(folder, rel, *args, **kwargs)
-
-        writer.write_file = held  # (looked up at each call, in the writer thread)
+        writer_setup.use(os.environ, pause=[str(out), f"step-{hold:08d}"])
     resumable.main(argv)
 
 

@@ -64,7 +64,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from hookloop import Loop, Network, hookimpl
-from hookloop.checkpointing import codec, layout, saving
+from hookloop.checkpointing import codec, layout, writer
 from hookloop.plugins import Checkpoint, GradClip
 from hookloop.preemption import Preempted
 
@@ -130,7 +130,7 @@ class Pauser:
 def pause_in_save(stage, step, out, rank, until=None):
     """Wrap the checkpointing function of ``stage`` to hold the save of
     step ``step`` there (until ``until()``, if given)."""
-    module, target = {"write": (codec, "write_rank_file"), "publish": (saving, "publish"),
+    module, target = {"write": (codec, "write_rank_file"), "publish": (writer, "publish"),
                       "latest": (layout, "write_latest")}[stage]
     original = getattr(module, target)
 

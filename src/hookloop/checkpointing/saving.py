@@ -6,7 +6,8 @@ background when the save is asynchronous (:mod:`.writer`). A save killed at
 any point leaves the previous checkpoint intact and ``latest`` naming a
 complete one. Steps a test replaces are looked up at each call
 (``codec.write_rank_file``, ``layout.write_latest``, ``writer.write_file``,
-``finite.refuse_nonfinite``, :func:`publish`).
+``finite.refuse_nonfinite``, ``writer.publish``; in an asynchronous save's
+writer process, what ``HOOKLOOP_WRITER_SETUP`` replaces).
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ import torch
 
 from .._version import __version__
 from . import accelerate as accel
-from . import codec, finite, formats, layout, manifest, safe_read, writer
+from . import codec, finite, formats, layout, manifest, writer
 from .collective import every_rank
 from .compat import run_settings
 from .errors import CheckpointError, NonFiniteCheckpoint
-from .layout import FORMAT, RANK_FILE, TENSORS_FILE, TMP_PREFIX, TRASH_PREFIX, VERSION
-from .runs import Scan, describe_run, owns, remove
+from .layout import FORMAT, RANK_FILE, TENSORS_FILE, TMP_PREFIX, VERSION
+from .runs import describe_run, owns
 from .writer import poll, wait, write_error  # noqa: F401 - importable from here
 
 
@@ -104,60 +105,43 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
             # own (check_rank_files then names the ranks whose files are not shared)
             tmp.mkdir(parents=True, exist_ok=True)
             heavy = fmt.save(loop, tmp)
-            snapshot = writer.host_copy(acc, heavy) if background else writer.Snapshot(heavy)
-            if not background:
-                known = writer.write_files(tmp, snapshot)  # (checksummed as they are written)
+            if background:  # (the writer process writes the plugins' tensors too)
+                snapshot = writer.host_copy(acc, heavy + ([[TENSORS_FILE, "safetensors", tensors,
+                                                            {"format": FORMAT}]] if main else []))
+            else:
+                known = writer.write_files(tmp, heavy)  # (checksummed as they are written)
             if sharding is not None:
                 own = formats.save_sharded(loop, tmp, sharding)
             codec.write_rank_file(tmp / RANK_FILE.format(rank=acc.process_index), loop)
         shards = formats.gather(acc, own or {}, sharding) if sharding is not None else None
         doc = _manifest(loop, final, position, networks, plugins, reason, monitor, shards)
 
-        def publish_all():  # main process: the rest of the files, the manifest, publish, latest, rotate
-            files = dict(known or writer.write_files(tmp, snapshot))
-            files.update((shards or {}).get("known", {}))  # (checksummed by the rank that wrote them)
-            files[TENSORS_FILE] = writer.write_file(tmp, TENSORS_FILE, "safetensors", tensors, {"format": FORMAT})
-            for file in sorted(tmp.rglob("*")):
-                rel = file.relative_to(tmp).as_posix()
-                if file.is_file() and rel not in files:  # Accelerate's small files, each rank's own
-                    with open(file, "rb") as f:  # (read back from the page cache)
-                        os.fsync(f.fileno())
-                        size = os.fstat(f.fileno()).st_size
-                        files[rel] = (size, safe_read.crc32_fd(f.fileno(), size))
-            for rel, (size, crc) in sorted(files.items()):
-                doc["files"][rel], doc["crc32"][rel] = size, crc
-            manifest.write(tmp, doc)
-            layout.fsync_dir(tmp)
-            published, replaced = publish(tmp, final, keep_existing=update_latest)
-            if update_latest:
-                layout.write_latest(root, published.name)
-            if replaced is not None:  # an older save of this position, now that latest moved on
-                remove(replaced)
-            if keep_last:
-                Scan(root).rotate(loop.state.run, keep_last, keep, latest=published.name if update_latest
-                                  else layout.read_latest_quietly(root))
-            return published
-
+        job = writer.Job(tmp, final, root, doc, tensors, loop.state.run, known={
+            **known, **(shards or {}).get("known", {})},  # (shards: checksummed by the rank that wrote them)
+            update_latest=update_latest, keep_last=keep_last, keep=set(keep))
         finishing = failed(f"cannot finish checkpoint {final}")
         with every_rank(acc, catch=Exception,
                         describe=lambda exc: exc if isinstance(exc, MissingRankFiles) else finishing(exc)):
             if main:
                 check_rank_files(tmp, final, acc.num_processes)  # before anything is published
                 if not background:
-                    final = publish_all()
+                    final = writer.finish(job)
         if not background:
             if on_published is not None:
                 on_published(final)
             return final
 
-        def refused(exc):  # (on the training thread: the refusal a synchronous save makes)
-            return exc if not isinstance(exc, _NonFiniteCopy) else _nonfinite(
-                loop, root, name, position["global_step"], networks, exc.found)
+        def explain(kind, found):  # the writer's failure, raised on the training thread
+            if kind == "nonfinite":  # (the refusal a synchronous save makes)
+                return _nonfinite(loop, root, name, position["global_step"], networks, found)
+            return CheckpointError(f"the asynchronous save of checkpoint {str(final)!r} failed: {found}. Nothing "
+                                   "was published; 'latest' still names the previous checkpoint")
 
-        job = writer.Job(str(final), _in_background(publish_all, root, tmp, final, snapshot, acc)
-                         if main else (lambda: final), on_published, explain=refused)
-        handed_over = True
-        writer.start(loop, job)
+        job.files, job.floating = snapshot.files, snapshot.floating
+        handed_over = True  # (the writer process: main; the others are done)
+        writer.start(loop, writer.Pending(final, tmp, snapshot if main else None, done=on_published,
+                                          explain=explain, result=None if main else final),
+                     job if main else None)
         return layout.next_generation(final) if (final.exists() and update_latest
                                                  and layout.read_latest_quietly(root) == final.name) else final
     except CheckpointError:
@@ -170,39 +154,6 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
     finally:
         if not handed_over:
             layout.mark_live(tmp, False)
-
-
-def _in_background(publish_all, root: Path, tmp: Path, final: Path, snapshot, acc):
-    """The writer's work: the host copy's finiteness, then ``publish_all``; a
-    failure removes the unfinished folder and names the checkpoint."""
-
-    def work():
-        try:
-            found = snapshot.find_nonfinite()  # on the copy, before any file is written
-            if found is not None:
-                raise _NonFiniteCopy(found)
-            return publish_all()
-        except _NonFiniteCopy:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        except BaseException as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            detail = str(exc) if isinstance(exc, CheckpointError) else write_error(exc, root, "writing it")
-            raise CheckpointError(f"the asynchronous save of checkpoint {str(final)!r} failed: {detail}. Nothing "
-                                  "was published; 'latest' still names the previous checkpoint") from exc
-        finally:
-            layout.mark_live(tmp, False)
-            snapshot.release(acc)
-
-    return work
-
-
-class _NonFiniteCopy(Exception):
-    """The writer found ``found`` (``(rel, key, value)``) not finite in the host copy."""
-
-    def __init__(self, found):
-        super().__init__(f"{found[0]} {found[1]} is not finite")
-        self.found = found
 
 
 def _nonfinite(loop, root, name, step, networks, found) -> NonFiniteCheckpoint:
@@ -282,26 +233,3 @@ def _manifest(loop, final: Path, position, networks, plugins, reason, monitor=No
     if shards:
         doc["sharding"] = shards["manifest"]
     return doc
-
-
-def publish(tmp: Path, final: Path, keep_existing: bool = True) -> tuple[Path, Path | None]:
-    """Rename the finished save into place; returns ``(where it is, the
-    checkpoint it replaces or None)``. A complete checkpoint is never moved
-    away before its replacement is in place: when ``latest`` names one of the
-    same name (and ``keep_existing``), the new save takes the next generation
-    of the name (``step-00000040.1``) and the old one is returned, to be
-    deleted once ``latest`` names the new one; one that ``latest`` does not
-    name is moved aside and replaced."""
-    root, replaced = final.parent, None
-    if final.exists() and keep_existing and layout.read_latest_quietly(root) == final.name:
-        final, replaced = layout.next_generation(final), final
-    elif final.exists():
-        trash = final.with_name(f"{TRASH_PREFIX}{final.name}-{os.getpid()}")
-        os.rename(final, trash)
-        os.rename(tmp, final)
-        layout.fsync_dir(root)
-        shutil.rmtree(trash, ignore_errors=True)
-        return final, None
-    os.rename(tmp, final)
-    layout.fsync_dir(root)
-    return final, replaced

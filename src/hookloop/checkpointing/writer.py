@@ -1,12 +1,21 @@
-"""Writing checkpoint files at memory speed, and in the background:
-:func:`write_file` writes a file as Accelerate does (``save_file``,
-``torch.save``), its size and CRC-32 computed as the bytes go to the kernel
-(:class:`ChecksumFile`) or read back from the page cache, fsync'ed;
-:func:`host_copy` copies the models' and optimizers' states to host memory at
-the safe point (each storage once, into buffers kept from the previous save;
-pinned and non-blocking from a GPU), for a background :class:`Job` to check
-(finiteness) and write while training goes on: at most one per loop, the
-collectives on the training thread (:func:`start`, :func:`wait`, :func:`poll`).
+"""Writing and publishing a checkpoint's files, at memory speed, and in a
+process of its own.
+
+- :func:`write_file` writes a file as Accelerate does (``save_file``,
+  ``torch.save``), its size and CRC-32 computed as the bytes go to the kernel
+  (:class:`ChecksumFile`) or read back from the page cache, fsync'ed;
+  :func:`write_files` writes several in parallel.
+- :func:`finish` does a save's last steps on the main process (the files not
+  written yet, hookloop's tensors, every size and CRC-32, the manifest, the
+  rename into place, ``latest``, rotation), described by a :class:`Job`.
+- :func:`host_copy` copies the models' and optimizers' states at the safe point
+  into buffers of shared memory (each storage once, kept from the previous
+  save of the same size; pinned and non-blocking from a GPU); a
+  :class:`WriterProcess` (a new ``python``: not a fork, and no
+  re-import of the training script) checks their finiteness and
+  runs :func:`finish` while training goes on, niced, killed with its parent.
+  At most one save per loop is in flight (:func:`start`, :func:`wait`,
+  :func:`poll`); a writer that dies is an error at the next safe point.
 """
 
 from __future__ import annotations
@@ -14,24 +23,36 @@ from __future__ import annotations
 import contextlib
 import copy as _copy
 import errno
+import io
 import os
+import pickle
 import shutil
-import threading
+import subprocess
+import sys
+import tempfile
 import weakref
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import finite, safe_read
+from ..state import RunIdentity
+from . import finite, layout, manifest, safe_read
 from .collective import every_rank
+from .errors import CheckpointError
+from .layout import FORMAT, TENSORS_FILE, TRASH_PREFIX
+from .runs import Scan, remove
 
 #: bytes checksummed and written at a time (fits the caches with room to spare)
 CHUNK = 4 << 20
-#: how much nicer than training the writer thread runs (Linux: per thread)
+#: how much nicer than training the writer process runs
 WRITER_NICENESS = 10
+#: ``module:function`` run in the writer process when it starts (tests: to slow or hold it)
+SETUP_ENV = "HOOKLOOP_WRITER_SETUP"
 _OPEN = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
 
 
@@ -102,9 +123,14 @@ def write_file(folder: Path, rel: str, kind: str, payload, metadata=None) -> tup
         return out.close()
 
 
-def write_files(tmp: Path, snapshot) -> dict:
-    """The files of a :class:`Snapshot` into ``tmp``: ``{rel: (size, crc32)}``."""
-    return {rel: write_file(tmp, rel, kind, payload, metadata) for rel, kind, payload, metadata in snapshot.files}
+def write_files(tmp: Path, files: list) -> dict:
+    """``[rel, kind, payload, metadata]`` into ``tmp``, the big ones in parallel
+    (the writes, checksums and fsyncs release the GIL): ``{rel: (size, crc32)}``."""
+    if len(files) < 2:
+        return {rel: write_file(tmp, rel, kind, payload, meta) for rel, kind, payload, meta in files}
+    with ThreadPoolExecutor(min(len(files), 4), thread_name_prefix="hookloop-write") as pool:
+        futures = {f[0]: pool.submit(write_file, tmp, *f) for f in files}
+        return {rel: future.result() for rel, future in futures.items()}
 
 
 def write_error(exc: BaseException, root: Path, what: str) -> str:
@@ -127,43 +153,177 @@ def write_error(exc: BaseException, root: Path, what: str) -> str:
     return f"{what}: {detail}"
 
 
-# -- the host copy -----------------------------------------------------------------------
+# -- the end of a save ----------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """The rest of a save, from its safe point: what :func:`finish` does on the
+    main process (synchronously, or in the writer process)."""
+
+    tmp: Path
+    final: Path
+    root: Path
+    doc: dict  # the manifest, but the files' sizes and checksums
+    tensors: dict  # the tensors of the plugin states
+    run: RunIdentity  # whose checkpoints rotation may delete
+    files: list = field(default_factory=list)  # [rel, kind, payload, metadata] not written yet
+    known: dict = field(default_factory=dict)  # rel -> (size, crc32) of the files written
+    update_latest: bool = True
+    keep_last: int | None = None
+    keep: set = field(default_factory=set)
+    floating: list = field(default_factory=list)  # a host copy's floating tensors: finiteness first
+
+
+def finish(job: Job) -> Path:
+    """Main process: the files not written yet, hookloop's tensors file, every
+    file's size and checksum, the manifest, fsync, the rename into place,
+    ``latest``, rotation. Returns where the checkpoint landed."""
+    tmp, doc = job.tmp, job.doc
+    files = {**job.known, **write_files(tmp, job.files)}
+    if TENSORS_FILE not in files:  # (an asynchronous save's is among its host copy's files)
+        files[TENSORS_FILE] = write_file(tmp, TENSORS_FILE, "safetensors", job.tensors, {"format": FORMAT})
+    for file in sorted(tmp.rglob("*")):
+        rel = file.relative_to(tmp).as_posix()
+        if file.is_file() and rel not in files:  # Accelerate's small files, each rank's own
+            with open(file, "rb") as f:  # (read back from the page cache)
+                os.fsync(f.fileno())
+                size = os.fstat(f.fileno()).st_size
+                files[rel] = (size, safe_read.crc32_fd(f.fileno(), size))
+    for rel, (size, crc) in sorted(files.items()):
+        doc["files"][rel], doc["crc32"][rel] = size, crc
+    manifest.write(tmp, doc)
+    layout.fsync_dir(tmp)
+    published, replaced = publish(tmp, job.final, keep_existing=job.update_latest)
+    if job.update_latest:
+        layout.write_latest(job.root, published.name)
+    if replaced is not None:  # an older save of this position, now that latest moved on
+        remove(replaced)
+    if job.keep_last:
+        Scan(job.root).rotate(job.run, job.keep_last, job.keep, latest=published.name if job.update_latest
+                              else layout.read_latest_quietly(job.root))
+    return published
+
+
+def publish(tmp: Path, final: Path, keep_existing: bool = True) -> tuple[Path, Path | None]:
+    """Rename the finished save into place; returns ``(where it is, the
+    checkpoint it replaces or None)``. A complete checkpoint is never moved
+    away before its replacement is in place: when ``latest`` names one of the
+    same name (and ``keep_existing``), the new save takes the next generation
+    of the name (``step-00000040.1``) and the old one is returned, to be
+    deleted once ``latest`` names the new one; one that ``latest`` does not
+    name is moved aside and replaced."""
+    root, replaced = final.parent, None
+    if final.exists() and keep_existing and layout.read_latest_quietly(root) == final.name:
+        final, replaced = layout.next_generation(final), final
+    elif final.exists():
+        trash = final.with_name(f"{TRASH_PREFIX}{final.name}-{os.getpid()}")
+        os.rename(final, trash)
+        os.rename(tmp, final)
+        layout.fsync_dir(root)
+        shutil.rmtree(trash, ignore_errors=True)
+        return final, None
+    os.rename(tmp, final)
+    layout.fsync_dir(root)
+    return final, replaced
+
+
+# -- the host copy, in shared memory ------------------------------------------------------
 
 
 @dataclass
 class Snapshot:
-    """The files left to write, ``[rel, kind, payload, metadata]``; with a host
-    copy, its buffers and its floating tensors ``(rel, key, copy)``."""
+    """A host copy: the files with their tensors copied, the host buffers,
+    and the floating copies ``(rel, key, copy)``."""
 
     files: list = field(default_factory=list)
     copied: int = 0  # bytes copied to host memory
-    storages: list = field(default_factory=list)  # the host buffers, back to the pool after the write
+    storages: list = field(default_factory=list)  # (path, host buffer): back to the pool after the write
     floating: list = field(default_factory=list)
-
-    def find_nonfinite(self) -> tuple | None:
-        """``(rel, key, value)`` of the first copied tensor holding a NaN or
-        an infinity, or None: one fused reduction, off the training thread."""
-        bad = finite.first_nonfinite(t for *_, t in self.floating)
-        if bad is None:
-            return None
-        rel, key, t = self.floating[bad]
-        flat = t.detach().reshape(-1)
-        return rel, "".join(f"[{k!r}]" for k in key), flat[~flat.isfinite()][0].item()
 
     def release(self, acc) -> None:
         """The write is done: its host buffers serve the next copy."""
         pool = _POOLS.setdefault(acc, {})
-        for storage in self.storages:
-            pool.setdefault((storage.nbytes(), storage.is_pinned()), []).append(storage)
+        for path, buffer in self.storages:
+            pool.setdefault(buffer.nbytes(), []).append((path, buffer))
         self.storages, self.files, self.floating = [], [], []
 
 
-#: accelerator -> host buffers by (bytes, pinned), from its last save
+def find_nonfinite(floating) -> tuple | None:
+    """``(rel, key, value)`` of the first tensor of ``floating`` holding a NaN
+    or an infinity, or None: one fused reduction, off the training thread."""
+    bad = finite.first_nonfinite(t for *_, t in floating)
+    if bad is None:
+        return None
+    rel, key, t = floating[bad]
+    flat = t.detach().reshape(-1)
+    return rel, "".join(f"[{k!r}]" for k in key), flat[~flat.isfinite()][0].item()
+
+
+#: accelerator -> free host buffers by size: (the file that backs it, its storage)
 _POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: real path of a buffer's file -> the storage (what the writer's pickle refers to)
+_SHARED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _buffer(nbytes: int, pinned: bool) -> tuple[str, Any]:
+    """A host buffer of ``nbytes`` shared with the writer process: a file of
+    shared memory mapped by both (pinned for a GPU's non-blocking copies). Its
+    space is reserved first: a full ``/dev/shm`` (64 MiB in a default Docker
+    container) would kill the copy with SIGBUS; the temporary directory's
+    page cache serves then."""
+    if not _SHARED:
+        _remove_leftovers()
+    for where in dict.fromkeys((_DIR, tempfile.gettempdir())):
+        fd, path = tempfile.mkstemp(prefix=f"hookloop-{os.getpid()}-", dir=where)
+        try:
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, max(nbytes, 1))
+            break
+        except OSError:
+            _unlink(path)
+        finally:
+            os.close(fd)
+    else:
+        raise CheckpointError(f"no memory for the host copy of an asynchronous save ({nbytes} bytes in {_DIR} "
+                              f"or {tempfile.gettempdir()}); give the container more shared memory "
+                              "(docker run --shm-size), or save synchronously")
+    storage = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8).untyped_storage()
+    weakref.finalize(storage, _unlink, path)
+    if pinned:
+        with contextlib.suppress(Exception):  # (unpinned, the copy still lands: it blocks)
+            torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0)
+    _SHARED[path] = storage
+    return path, storage
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _remove_leftovers() -> None:
+    """The host buffers of processes killed before they could remove them."""
+    for where in dict.fromkeys((_DIR, tempfile.gettempdir())):
+        for path in Path(where).glob("hookloop-*-*"):
+            pid = path.name.split("-")[1]
+            if pid.isdigit() and not _alive(int(pid)):
+                _unlink(str(path))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass
+    return True
 
 
 def host_copy(acc, files: list) -> Snapshot:
-    """The files to write with every tensor copied to host memory, each
+    """The files to write with every tensor copied to shared host memory, each
     storage once (views and shared storages stay views and shared, as
     ``torch.save`` records them), every container new in its own type and
     order (so that it pickles as the original does)."""
@@ -174,16 +334,16 @@ def host_copy(acc, files: list) -> Snapshot:
         source = t.untyped_storage()
         host = storages.get((t.device, source.data_ptr()))
         if host is None:
-            pinned, free = t.device.type == "cuda", pool.get((source.nbytes(), t.device.type == "cuda"))
-            host = free.pop() if free else torch.empty(source.nbytes(), dtype=torch.uint8,
-                                                       pin_memory=pinned).untyped_storage()
+            pinned, free = t.device.type == "cuda", pool.get(source.nbytes())
+            path, host = free.pop() if free else _buffer(source.nbytes(), pinned)
             host.copy_(source, non_blocking=pinned)
             storages[(t.device, source.data_ptr())] = host
+            out.storages.append((path, host))
             out.copied += source.nbytes()
         copied = torch.empty((0,), dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
         if t.requires_grad and t.is_leaf:
             copied.requires_grad_(True)
-        if t.is_floating_point() or t.is_complex():
+        if (t.is_floating_point() or t.is_complex()) and rel != TENSORS_FILE:  # (plugins' may be NaN)
             out.floating.append((rel, key, copied))
         return copied
 
@@ -206,75 +366,219 @@ def host_copy(acc, files: list) -> Snapshot:
         entry[2] = copy(entry[2], entry[0])
     if any(device.type == "cuda" for device, _ in storages):
         torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
-    out.storages = list(storages.values())
     return out
+
+
+class _Pickler(pickle.Pickler):
+    """A job for the writer: a tensor of a host buffer goes as a reference to
+    the buffer's file (the writer maps the same memory), not as its bytes."""
+
+    def __init__(self, file, buffers: dict):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.buffers = buffers  # data_ptr of a host buffer -> its file
+
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            path = self.buffers.get(obj.untyped_storage().data_ptr())
+            if path is not None:
+                return ("host", path, obj.untyped_storage().nbytes(), obj.dtype, tuple(obj.size()),
+                        obj.stride(), obj.storage_offset(), obj.requires_grad)
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file):
+        super().__init__(file)
+        self.mapped: dict[str, Any] = {}
+
+    def persistent_load(self, pid):
+        _, path, nbytes, dtype, size, stride, offset, grad = pid
+        if path not in self.mapped:
+            self.mapped[path] = torch.from_file(path, shared=True, size=max(nbytes, 1),
+                                                dtype=torch.uint8).untyped_storage()
+        out = torch.empty((0,), dtype=dtype).set_(self.mapped[path], offset, size, stride)
+        return out.requires_grad_(True) if grad else out
+
+
+def dumps(job: Job, snapshot: Snapshot) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer, {storage.data_ptr(): path for path, storage in snapshot.storages}).dump(job)
+    return buffer.getvalue()
+
+
+def loads(data: bytes) -> Job:
+    return _Unpickler(io.BytesIO(data)).load()
+
+
+# -- the writer process ---------------------------------------------------------------------
+
+
+class WriterProcess:
+    """The writer process (:func:`main`): jobs in, results out, over
+    a pipe pair; it exits when its pipe closes or its parent dies."""
+
+    def __init__(self):
+        jobs_read, jobs_write = os.pipe()
+        results_read, results_write = os.pipe()
+        package = str(Path(__file__).resolve().parents[2])  # (found even if a script put it on sys.path)
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, (package, os.environ.get("PYTHONPATH"))))}
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", "from hookloop.checkpointing.writer import main; main()", str(jobs_read),
+             str(results_write), str(os.getpid())], pass_fds=(jobs_read, results_write), env=env, stdin=subprocess.DEVNULL)
+        os.close(jobs_read)
+        os.close(results_write)
+        self.jobs, self.results = Connection(jobs_write, readable=False), Connection(results_read, writable=False)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def dead(self) -> int | None:
+        """Its exit status once it has ended, else None."""
+        return self.process.poll()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.jobs.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=30)
+        if self.process.poll() is None:
+            self.process.kill()
+
+
+def _serve(jobs: Connection, results: Connection, parent: int) -> None:
+    """The writer process's loop: each job's finiteness, then :func:`finish`."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.nice(WRITER_NICENESS)  # on busy cores it takes the time training leaves
+    with contextlib.suppress(Exception):  # Linux: killed with its parent, never left writing alone
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    torch.set_num_threads(1)
+    if os.environ.get(SETUP_ENV):
+        import importlib
+        import runpy
+
+        module, _, function = os.environ[SETUP_ENV].rpartition(":")  # (a module, or a file: a.py)
+        names = runpy.run_path(module) if module.endswith(".py") else vars(importlib.import_module(module))
+        names[function]()
+    while True:
+        try:
+            data = jobs.recv_bytes()
+        except (EOFError, OSError):
+            return  # the loop was closed
+        job = loads(data)
+        try:
+            found = find_nonfinite(job.floating)  # on the copy, before any file is written
+            if found is not None:
+                shutil.rmtree(job.tmp, ignore_errors=True)
+                results.send(("nonfinite", found))
+                continue
+            if os.getppid() != parent:
+                return  # (orphaned: the run that asked for it is gone)
+            results.send(("done", finish(job)))
+        except BaseException as exc:  # noqa: BLE001 - reported to the training process
+            shutil.rmtree(job.tmp, ignore_errors=True)
+            detail = str(exc) if isinstance(exc, CheckpointError) else write_error(exc, job.root, "writing it")
+            results.send(("error", detail))
+        finally:
+            del job
 
 
 # -- one background save per loop ------------------------------------------------------
 
 
-class Job:
-    """One save written by a background thread; ``done(result)`` and
-    ``explain(error)`` (what to raise instead) run on the training thread
-    when it is settled. ``name``: the checkpoint's folder."""
+@dataclass
+class Pending:
+    """A save in flight: handed to ``writer`` (None: done already, ``result``)."""
 
-    def __init__(self, name: str, work, done=None, explain=None):
-        self.name, self._work, self._done, self._explain = name, work, done, explain
-        self.result = None
-        self.error: BaseException | None = None
-        self.finished = threading.Event()
-        self.thread: threading.Thread | None = None
-
-    def run(self) -> None:
-        # a lower CPU priority than training (this thread only, on Linux): on busy
-        # cores the writer takes the time training leaves
-        with contextlib.suppress(AttributeError, OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
-                           os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + WRITER_NICENESS)
-        try:
-            self.result = self._work()
-        except BaseException as exc:  # noqa: BLE001 - reported where the job is settled
-            self.error = exc
-        finally:
-            self._work = None  # (its closure holds the host copy: free it now)
-            self.finished.set()
+    name: Path
+    tmp: Path
+    snapshot: Snapshot | None = None
+    writer: WriterProcess | None = None
+    done: Any = None  # called on the training thread with the published directory
+    explain: Any = None  # the writer's (kind, detail) -> the exception to raise
+    result: Path | None = None
 
 
-#: loop -> its save in flight (at most one)
-_JOBS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: loop -> its save in flight (at most one); loop -> its writer process
+_PENDING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_WRITERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def start(loop, job: Job) -> Job:
-    """Run ``job`` for ``loop`` in a thread of its own (not a daemon: an
-    interpreter that exits finishes the checkpoint first)."""
-    if _JOBS.get(loop) is not None:
+def writer_of(loop) -> WriterProcess:
+    """The writer process of ``loop`` (started the first time: its start-up
+    overlaps training), closed with the loop."""
+    process = _WRITERS.get(loop)
+    if process is None or process.dead() is not None:
+        process = _WRITERS[loop] = WriterProcess()
+        weakref.finalize(loop, process.close)
+    return process
+
+
+def close(loop) -> None:
+    process = _WRITERS.pop(loop, None)
+    if process is not None:
+        process.close()
+
+
+def start(loop, pending: Pending, job: Job | None = None) -> None:
+    """Hand ``job`` to the writer process of ``loop`` (None: nothing to write
+    on this process, the save is done)."""
+    if _PENDING.get(loop) is not None:
         raise RuntimeError("hookloop: a save started while another is in flight (wait() first)")
-    _JOBS[loop] = job
-    job.thread = threading.Thread(target=job.run, name=f"hookloop-save {Path(job.name).name}", daemon=False)
-    job.thread.start()
-    return job
+    if job is not None:
+        assert pending.snapshot is not None
+        data, pending.writer = dumps(job, pending.snapshot), writer_of(loop)
+        with contextlib.suppress(OSError):  # (a writer that just died: settle() reports it)
+            pending.writer.jobs.send_bytes(data)
+    _PENDING[loop] = pending
 
 
-def pending(loop) -> Job | None:
+def pending(loop) -> Pending | None:
     """The save of ``loop`` in flight, or finished and not yet settled."""
-    return _JOBS.get(loop)
+    return _PENDING.get(loop)
 
 
-def settle(loop, block: bool = True):
+def settle(loop, block: bool = True) -> Pending | None:
     """Wait for ``loop``'s save (``block``; else only if it has finished),
-    forget it and call its ``done``; a failed job's exception is raised here,
-    on the training thread. Returns the job (None: none, or still running)."""
-    job = _JOBS.get(loop)
-    if job is None or (not block and not job.finished.is_set()):
+    forget it and call its ``done``; its failure is raised here, on the
+    training thread (a writer that died: a :class:`CheckpointError`).
+    Returns it (None: none, or still being written)."""
+    job = _PENDING.get(loop)
+    if job is None:
         return None
-    job.finished.wait()
-    if job.thread is not None:
-        job.thread.join()
-    del _JOBS[loop]
-    if job.error is not None:
-        raise job._explain(job.error) if job._explain is not None else job.error
-    if job._done is not None:
-        job._done(job.result)
+    if job.writer is not None:
+        message = None
+        while message is None:
+            try:
+                if job.writer.results.poll(0.2 if block else 0):
+                    message = job.writer.results.recv()
+                    continue
+            except (EOFError, OSError):
+                pass
+            status = job.writer.dead()
+            if status is not None:  # (died before it answered: killed, or out of memory)
+                _WRITERS.pop(loop, None)
+                shutil.rmtree(job.tmp, ignore_errors=True)
+                message = ("error", f"the checkpoint writer process (pid {job.writer.pid}) died with exit "
+                                    f"status {status} while writing it")
+            elif not block:
+                return None
+        kind, value = message
+        if job.snapshot is not None:
+            job.snapshot.release(loop.accelerator)
+        if kind != "done":
+            del _PENDING[loop]
+            layout.mark_live(job.tmp, False)
+            raise job.explain(kind, value)
+        job.result = Path(value)
+    del _PENDING[loop]
+    layout.mark_live(job.tmp, False)
+    if job.done is not None:
+        job.done(job.result)
     return job
 
 
@@ -287,7 +591,7 @@ def wait(loop) -> Path | None:
     settled = None
     with every_rank(loop.accelerator):
         settled = settle(loop)
-    return settled.result
+    return settled.result if settled is not None else None
 
 
 def poll(loop) -> Path | None:
@@ -298,3 +602,10 @@ def poll(loop) -> Path | None:
         return None
     settled = settle(loop, block=False)
     return None if settled is None else settled.result
+
+
+def main() -> None:
+    """The writer process (``python -c``: ``-m`` would run a second copy of
+    this module, which a setup hook could not reach)."""
+    _serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False),
+           int(sys.argv[3]))

@@ -15,6 +15,7 @@ from pathlib import Path
 from .. import checkpointing
 from ..checkpointing import layout, runs
 from ..checkpointing.collective import every_rank
+from ..checkpointing import writer
 from ..checkpointing.saving import poll, wait
 from ..markers import hookimpl
 from ..preemption import DEFAULT_SIGNALS
@@ -150,7 +151,10 @@ class Checkpoint(checkpointing.CheckpointPolicy):
 
     @hookimpl
     def on_loop_end(self, loop):
-        wait(loop)  # loop.close(): a save in flight (one outside a fit) is published first
+        try:
+            wait(loop)  # loop.close(): a save in flight (one outside a fit) is published first
+        finally:
+            writer.close(loop)
 
     @hookimpl
     def on_fit_start(self, loop):
@@ -168,6 +172,8 @@ class Checkpoint(checkpointing.CheckpointPolicy):
             self._saved_position = loop.state.state_dict()  # where the resumed checkpoint is
         self._epoch_ending = False
         self._update_best(loop, scan)
+        if self.asynchronous and acc.is_main_process:
+            writer.writer_of(loop)  # (its start-up, ~1 s of imports, overlaps the first steps)
         self._ready = True
 
     @hookimpl
