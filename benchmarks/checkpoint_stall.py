@@ -1,7 +1,9 @@
 """How long a checkpoint stalls training: hookloop's synchronous and
 asynchronous ``Checkpoint`` against a hand-written loop calling
-``accelerator.save_state`` and Lightning's ``ModelCheckpoint``, on the same
-model; then one save and one load, each against Accelerate's.
+``accelerator.save_state``, Lightning's ``ModelCheckpoint`` and
+pytorch-accelerated's ``SaveTrainingStateCallback``, on the same model; then
+one save and one load, each against Accelerate's, on a quiet machine and
+with another process keeping one core busy.
 
     python benchmarks/checkpoint_stall.py [--repeats 5] [--threads 1] [--dir DIR]
                                           [--variants a,b,...] [--no-table]
@@ -34,14 +36,17 @@ Method:
 - Medians over repeats, lowest–highest in brackets; the load average
   before and after is printed with the table.
 
-Lightning runs only if ``lightning`` imports (``--lightning-path DIR`` adds a
+The peers run only if they import (``pip install -e '.[bench]'``;
+pytorch-accelerated saves with Accelerate's ``save_state``, the oldest
+beyond two deleted, as ``Checkpoint(keep_last=2)`` here). Lightning: ``--lightning-path DIR`` adds a
 folder it was installed into with ``pip install --no-deps --target DIR
 lightning pytorch-lightning lightning-utilities torchmetrics``, which keeps
 the environment's torch).
 
 The save/load rows (one process, the model after training): a synchronous
-``checkpointing.save`` with every check (fsync included), Accelerate's
-``save_state`` (no fsync) and the same plus an fsync of each file;
+``checkpointing.save`` with every check (fsync included; compared with
+the durable ``save_state``: the same plus an fsync of each file),
+Accelerate's ``save_state`` (no fsync) and that durable one;
 ``checkpointing.load`` (every file's size and CRC-32, finiteness) against
 ``accelerator.load_state``; what an asynchronous save does at the safe
 point (Accelerate's small files and ``writer.host_copy``; its
@@ -62,16 +67,22 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+#: --device cuda (benchmarks/gpu_check.sh): the model on the GPU, a device sync at each stamp
+CUDA = os.environ.get("HOOKLOOP_BENCH_DEVICE", "cpu").startswith("cuda")
 UPDATES, EVERY, WIDTH, LAYERS, BATCH = 61, 10, 1024, 6, 64
 MEASURED = 60
 VARIANTS = ["hand-nosave", "hand-save_state", "hookloop-nosave", "hookloop-sync", "hookloop-async",
-            "lightning-nosave", "lightning-ckpt"]
+            "lightning-nosave", "lightning-ckpt", "ptacc-nosave", "ptacc-ckpt"]
 BASELINE = {"hand-save_state": "hand-nosave", "hookloop-sync": "hookloop-nosave",
-            "hookloop-async": "hookloop-nosave", "lightning-ckpt": "lightning-nosave"}
+            "hookloop-async": "hookloop-nosave", "lightning-ckpt": "lightning-nosave",
+            "ptacc-ckpt": "ptacc-nosave"}
 LABELS = {"hand-save_state": "hand-written loop + accelerator.save_state",
           "hookloop-sync": "hookloop Checkpoint (synchronous)",
           "hookloop-async": "hookloop Checkpoint(asynchronous=True)",
-          "lightning-ckpt": "Lightning ModelCheckpoint"}
+          "lightning-ckpt": "Lightning ModelCheckpoint",
+          "ptacc-ckpt": "pytorch-accelerated SaveTrainingStateCallback"}
+#: the peers' variants, and what they need importable
+PEERS = {"lightning": "lightning.pytorch", "ptacc": "pytorch_accelerated"}
 
 
 def build(seed=0):
@@ -96,15 +107,21 @@ def worker(variant: str, out: Path, threads: int) -> dict:
     torch.set_num_threads(threads)
     stamps, cpu = [], []
     kind, saves = variant.split("-", 1)
+
+    def stamp():
+        if CUDA:
+            torch.cuda.synchronize()  # (a step's time, not its launch's)
+        stamps.append(time.perf_counter())
+        cpu.append(time.thread_time())
+
     if kind == "hand":
         from accelerate import Accelerator
 
-        acc = Accelerator(cpu=True)
+        acc = Accelerator(cpu=not CUDA)
         model, optimizer, data = build()
         model, optimizer, data = acc.prepare(model, optimizer, data)
         for step, (x, y) in enumerate(data, 1):
-            stamps.append(time.perf_counter())
-            cpu.append(time.thread_time())
+            stamp()
             loss = torch.nn.functional.mse_loss(model(x), y)
             acc.backward(loss)
             optimizer.step()
@@ -120,8 +137,7 @@ def worker(variant: str, out: Path, threads: int) -> dict:
         class Stamps:
             @hookimpl
             def before_step(self):
-                stamps.append(time.perf_counter())
-                cpu.append(time.thread_time())
+                stamp()
 
             @hookimpl
             def compute_loss(self, outputs, batch):
@@ -133,7 +149,7 @@ def worker(variant: str, out: Path, threads: int) -> dict:
                                       signals=None, asynchronous=saves == "async"))
         model, optimizer, data = build()
         loop = Loop(model=model, optimizer=optimizer, train_data=data, plugins=plugins,
-                    accelerator=Accelerator(cpu=True), block=["progress", "finite"])
+                    accelerator=Accelerator(cpu=not CUDA), block=["progress", "finite"])
         loop.fit(max_steps=UPDATES)
         loop.close()
     elif kind == "lightning":
@@ -153,18 +169,36 @@ def worker(variant: str, out: Path, threads: int) -> dict:
 
         class Stamps(Callback):
             def on_train_batch_start(self, *args):
-                stamps.append(time.perf_counter())
-                cpu.append(time.thread_time())
+                stamp()
 
         callbacks = [Stamps()]
         if saves == "ckpt":
             callbacks.append(ModelCheckpoint(dirpath=out, every_n_train_steps=EVERY, save_top_k=-1))
         module = Module()
-        trainer = pl.Trainer(max_steps=UPDATES, accelerator="cpu", devices=1, logger=False,
+        trainer = pl.Trainer(max_steps=UPDATES, accelerator="gpu" if CUDA else "cpu", devices=1, logger=False,
                              enable_progress_bar=False, enable_model_summary=False,
                              enable_checkpointing=saves == "ckpt", callbacks=callbacks,
                              num_sanity_val_steps=0)
         trainer.fit(module, module.data)
+    elif kind == "ptacc":
+        from pytorch_accelerated import Trainer
+        from pytorch_accelerated.callbacks import SaveTrainingStateCallback, TrainerCallback
+        from pytorch_accelerated.trainer import DEFAULT_CALLBACKS
+
+        class PtStamps(TrainerCallback):
+            def on_train_step_start(self, trainer, **kwargs):
+                stamp()
+
+        callbacks = [*DEFAULT_CALLBACKS, PtStamps()]
+        if saves == "ckpt":  # (Accelerate's save_state underneath, the oldest beyond 2 deleted)
+            callbacks.append(SaveTrainingStateCallback(save_dir=str(out), save_every_n_steps=EVERY,
+                                                       save_at_end=False, max_checkpoints=2))
+        model, optimizer, data = build()
+        trainer = Trainer(model=model, loss_func=torch.nn.functional.mse_loss, optimizer=optimizer,
+                          callbacks=callbacks)
+        trainer.train(train_dataset=data.dataset, num_epochs=1, per_device_batch_size=BATCH,
+                      train_dataloader_kwargs={"shuffle": False, "num_workers": 0})
+
     def excess(stamps):
         steps = [b - a for a, b in zip(stamps, stamps[1:])][:MEASURED]
         saving = [steps[i - 1] for i in range(EVERY, MEASURED + 1, EVERY)]
@@ -179,8 +213,9 @@ def worker(variant: str, out: Path, threads: int) -> dict:
             "cpu_excess_ms": cpu_saving}
 
 
-def save_load_rows(out: Path, threads: int, repeat: int = 5) -> list:
-    """One process: a save and a load of the trained model, each against Accelerate's."""
+def save_load_rows(out: Path, threads: int, repeat: int = 5, busy: bool = False) -> list:
+    """One process: a save and a load of the trained model, each against
+    Accelerate's; ``busy``: while another process keeps one core busy."""
     import torch
     from accelerate import Accelerator
 
@@ -197,7 +232,7 @@ def save_load_rows(out: Path, threads: int, repeat: int = 5) -> list:
 
     model, optimizer, data = build()
     loop = Loop(model=model, optimizer=optimizer, train_data=data, plugins=[Loss()],
-                accelerator=Accelerator(cpu=True), block=["progress", "finite"])
+                accelerator=Accelerator(cpu=not CUDA), block=["progress", "finite"])
     loop.fit(max_steps=2)
     acc = loop.accelerator
     counter = iter(range(10_000))
@@ -219,11 +254,11 @@ def save_load_rows(out: Path, threads: int, repeat: int = 5) -> list:
                 layout.fsync_file(file)
             layout.fsync_dir(folder)
 
-    def host(copy=True):
+    def host():
         folder = Path(tempfile.mkdtemp(dir=out))
         heavy = accel.heavy_states(acc, folder)
         accel.save_small_files(acc, folder)
-        (writer.host_copy(acc, heavy) if copy else writer.Snapshot(heavy)).release(acc)
+        writer.host_copy(acc, heavy).release(acc)
 
     host()  # (the first copy allocates the host buffers the next ones reuse)
     # (a root of its own: the saves timed below rotate theirs)
@@ -232,7 +267,7 @@ def save_load_rows(out: Path, threads: int, repeat: int = 5) -> list:
     acc.save_state(str(plain))
     # label, what it does, the Accelerate row it is compared with
     ops = [("save: hookloop, every check, fsync (synchronous)", hookloop_save,
-            "save: accelerator.save_state (no fsync)"),
+            "save: accelerator.save_state + fsync of each file"),
            ("save: accelerator.save_state (no fsync)", accelerate_save, None),
            ("save: accelerator.save_state + fsync of each file", lambda: accelerate_save(True), None),
            ("stall of an asynchronous save: small files + host copy", host,
@@ -241,9 +276,15 @@ def save_load_rows(out: Path, threads: int, repeat: int = 5) -> list:
             lambda: checkpointing.load(loop, path), "load: accelerator.load_state"),
            ("load: accelerator.load_state", lambda: acc.load_state(str(plain)), None)]
     times = {label: [] for label, *_ in ops}
-    for r in range(repeat):
-        for label, fn, _ in (ops if r % 2 == 0 else ops[::-1]):
-            times[label].append(timed(fn))
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+    try:
+        time.sleep(0.5 if busy else 0)
+        for r in range(repeat):
+            for label, fn, _ in (ops if r % 2 == 0 else ops[::-1]):
+                times[label].append(timed(fn))
+    finally:
+        if hog is not None:
+            hog.kill()
     size = sum(p.stat().st_size for p in path.iterdir())
     loop.close()
     return [{"row": label, "ms": times[label], "versus": versus, "mb": size / 1e6}
@@ -255,18 +296,18 @@ def run_worker(args, variant, out) -> dict:
     if variant.startswith("lightning") and args.lightning_path:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.lightning_path, env.get("PYTHONPATH")]))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--dir", str(out),
-           "--threads", str(args.threads)]
+           "--threads", str(args.threads), "--device", args.device]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{variant} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def lightning_available(path) -> bool:
+def importable(module, path) -> bool:
     env = {**os.environ}
     if path:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-c", "import lightning.pytorch"], env=env,
+    return subprocess.run([sys.executable, "-c", f"import {module}"], env=env,
                           capture_output=True).returncode == 0
 
 
@@ -283,18 +324,25 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--lightning-path", default=os.environ.get("HOOKLOOP_LIGHTNING_PATH"))
     parser.add_argument("--no-table", action="store_true", help="skip the save/load rows")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: the model's device")
     parser.add_argument("--worker", default=None)
     args = parser.parse_args(argv)
-    if args.worker == "save-load":
-        print(json.dumps(save_load_rows(args.dir, args.threads)))
+    os.environ["HOOKLOOP_BENCH_DEVICE"] = args.device  # (the workers read it)
+    global CUDA
+    CUDA = args.device.startswith("cuda")
+    if args.worker in ("save-load", "save-load-busy"):
+        print(json.dumps(save_load_rows(args.dir, args.threads, max(args.repeats, 5),
+                                        busy=args.worker.endswith("busy"))))
         return 0
     if args.worker:
         print(json.dumps(worker(args.worker, args.dir, args.threads)))
         return 0
     variants = args.variants.split(",")
-    if any(v.startswith("lightning") for v in variants) and not lightning_available(args.lightning_path):
-        print("Lightning is not importable: its rows are left out (see --lightning-path)")
-        variants = [v for v in variants if not v.startswith("lightning")]
+    for peer, module in PEERS.items():
+        if any(v.startswith(peer) for v in variants) and not importable(module, args.lightning_path):
+            print(f"{module} is not importable: its rows are left out (pip install -e '.[bench]'; "
+                  "Lightning: see --lightning-path)")
+            variants = [v for v in variants if not v.startswith(peer)]
     results = {v: [] for v in variants}
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
@@ -305,11 +353,12 @@ def main(argv=None) -> int:
                 out.mkdir()
                 results[v].append(run_worker(args, v, out))
                 print(f"repeat {r + 1}/{args.repeats} {v}: {results[v][-1]['total_s']:.2f} s", file=sys.stderr)
-        rows = []
+        tables = {}
         if not args.no_table:
-            out = Path(scratch) / "save-load"
-            out.mkdir()
-            rows = run_worker(args, "save-load", out)
+            for kind in ("save-load", "save-load-busy"):
+                out = Path(scratch) / kind
+                out.mkdir()
+                tables[kind] = run_worker(args, kind, out)
     load_after = os.getloadavg()
     print(f"\nCheckpoint stall: {LAYERS} x Linear({WIDTH}, {WIDTH}) + Adam, {MEASURED} timed updates, "
           f"a save every {EVERY}; {args.repeats} interleaved repeats (fresh processes), {args.threads} "
@@ -341,10 +390,11 @@ def main(argv=None) -> int:
             ratios = [a / b for a, b in zip(excess, hand) if b > 0]
             ratio = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})" if ratios else ""
         print(f"| {LABELS[v]} | {fmt(steps)} | {fmt(excess)} | {ratio} | {fmt(cpu)} | {fmt(stall[v])} |")
-    if rows:
+    for kind, rows in tables.items():
         n = len(rows[0]["ms"])
         print(f"\nOne save / one load of that model ({rows[0]['mb']:.0f} MB of files; in the page cache), "
-              f"one process, {n} interleaved repeats, ms, median (lowest–highest):\n")
+              f"one process{', another keeping one core busy' if kind.endswith('busy') else ''}, {n} "
+              "interleaved repeats, ms, median (lowest–highest):\n")
         print("| operation | ms | × Accelerate's |")
         print("|---|---:|---:|")
         by_label = {row["row"]: row["ms"] for row in rows}

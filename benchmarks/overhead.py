@@ -45,6 +45,8 @@ WORKLOADS = {
             "ignite", "ptacc", "lightning"],
     # the fast path saves ~0.1 ms of a 25 ms step here: not worth the minute
     "bert": ["plain", "hand", "hookloop", "ignite", "ptacc", "lightning"],
+    # BERT-base: a GPU workload (gpu_check.sh); seconds a step on one CPU thread: not by default
+    "bert-base": ["plain", "hand", "hookloop"],
     "gan": ["plain", "hand", "hookloop", "hookloop-nofast"],
     # the loops' own cost in µs; not in the default run (--workloads empty)
     "empty": ["plain", "hand", "hookloop", "hookloop-nofast"],
@@ -67,6 +69,10 @@ LABELS = {
     "ignite": "PyTorch-Ignite (create_supervised_trainer)",
     "ptacc": "pytorch-accelerated Trainer",
     "lightning": "Lightning Trainer",
+    # on a GPU (benchmarks/gpu_check.sh): both loops in bf16, fp16 (GradScaler), compiled
+    "hand-bf16": "hand-written Accelerate, bf16", "hookloop-bf16": "hookloop, bf16",
+    "hand-fp16": "hand-written Accelerate, fp16", "hookloop-fp16": "hookloop, fp16",
+    "hand-compile": "hand-written Accelerate, torch.compile", "hookloop-compile": "hookloop, torch.compile",
 }
 PEERS = ("ignite", "ptacc", "lightning")
 
@@ -111,8 +117,8 @@ def worker(workload: str, variant: str, device: str, quick: bool, clock: str, re
 
         models = peers.run(variant, work, clock, device)
     else:
-        accelerator = Accelerator(cpu=device == "cpu")
-        if variant == "hand":
+        accelerator = Accelerator(cpu=device == "cpu", **W.accelerator_options(variant))
+        if variant.startswith("hand"):
             models = W.run_hand(work, clock, accelerator)
         else:
             models, plugins = W.run_hookloop(work, clock, accelerator, variant)
@@ -248,7 +254,10 @@ def table(results, device, repeats, quick, clock) -> str:
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "|".join(["---"] + ["---:"] * (len(head) - 2) + [":---:"]) + "|")
         for variant, runs in by_variant.items():
-            lines.append("| " + " | ".join(_row(variant, runs, hand, plain, cuda)) + " |")
+            import workloads as W
+
+            ref = None if variant.startswith("hand") and variant != "hand" else by_variant.get(W.twin(variant))
+            lines.append("| " + " | ".join(_row(variant, runs, ref, plain, cuda)) + " |")
         if "hookloop" in by_variant:
             lines.append(f"\nhookloop, defaults: plugins {', '.join(by_variant['hookloop'][0]['plugins'])}")
         noop, base = by_variant.get("hookloop-noop10"), by_variant.get("hookloop")

@@ -32,6 +32,8 @@ SIZES = {
     "mlp": dict(batches=100, batch_size=32, epochs=12, warmup=1, quick_batches=8, quick_epochs=2),
     # a realistic step: a 2-layer BERT from a BertConfig, batch 8, 64 tokens
     "bert": dict(batches=8, batch_size=8, epochs=10, warmup=2, quick_batches=2, quick_epochs=2),
+    # BERT-base (12 layers, 768 wide), batch 16, 128 tokens: a GPU's workload (gpu_check.sh)
+    "bert-base": dict(batches=10, batch_size=16, epochs=4, warmup=1, quick_batches=1, quick_epochs=2),
     # two small MLPs, a generator and a discriminator
     "gan": dict(batches=100, batch_size=32, epochs=12, warmup=1, quick_batches=8, quick_epochs=2),
     # a near-empty step (a 2x2 weight is the model's output): the loops' own cost
@@ -65,6 +67,9 @@ class Workload:
         elif name == "bert":
             self.models = {"model": _bert(deterministic)}
             dataset = _TokenDataset(n)
+        elif name == "bert-base":
+            self.models = {"model": _bert(deterministic, base=True)}
+            dataset = _TokenDataset(n, seq=128, vocab=30522)
         elif name == "empty":
             self.models = {"model": _Empty()}
             dataset = torch.utils.data.TensorDataset(torch.zeros(n, 1), torch.arange(n) % 2)
@@ -111,12 +116,14 @@ class _Empty(torch.nn.Module):
         return self.weight
 
 
-def _bert(deterministic=False):
+def _bert(deterministic=False, base=False):
     from transformers import BertConfig, BertForSequenceClassification
 
     # on CUDA, fused attention kernels may add up gradients in a varying
     # order; plain matmul-softmax attention does not
     extra = {"attn_implementation": "eager"} if deterministic else {}
+    if base:  # BERT-base's shape: BertConfig's defaults
+        return BertForSequenceClassification(BertConfig(num_labels=2, **extra))
     config = BertConfig(
         vocab_size=BERT_VOCAB,
         hidden_size=128,
@@ -133,10 +140,10 @@ def _bert(deterministic=False):
 class _TokenDataset(torch.utils.data.Dataset):
     """Random token ids with a padded tail, as a tokenizer would give."""
 
-    def __init__(self, n):
-        self.ids = torch.randint(1, BERT_VOCAB, (n, BERT_SEQ))
-        lengths = torch.randint(BERT_SEQ // 2, BERT_SEQ + 1, (n,))
-        self.mask = (torch.arange(BERT_SEQ)[None, :] < lengths[:, None]).long()
+    def __init__(self, n, seq=BERT_SEQ, vocab=BERT_VOCAB):
+        self.ids = torch.randint(1, vocab, (n, seq))
+        lengths = torch.randint(seq // 2, seq + 1, (n,))
+        self.mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
         self.ids = self.ids * self.mask
         self.labels = torch.randint(0, 2, (n,))
 
@@ -347,6 +354,26 @@ VARIANTS = {
     "hookloop-nofinite": {"block": ["finite"]},
     "hookloop-noprogress": {"block": ["progress"]},
 }
+#: variants of both loops on another Accelerator (benchmarks/gpu_check.sh): ``hand-bf16`` is
+#: ``hookloop-bf16``'s twin, its parameters compared with it
+ACCELERATOR_OPTIONS = {
+    "bf16": {"mixed_precision": "bf16"},
+    "fp16": {"mixed_precision": "fp16"},  # (GradScaler: Accelerate's, in both loops)
+    "compile": {"dynamo_backend": "inductor"},
+}
+for _option in ACCELERATOR_OPTIONS:
+    VARIANTS[f"hookloop-{_option}"] = {}
+
+
+def accelerator_options(variant: str) -> dict:
+    """The ``Accelerator`` keyword arguments of ``variant`` (``hand-bf16``: bf16)."""
+    return ACCELERATOR_OPTIONS.get(variant.rsplit("-", 1)[-1], {}) if "-" in variant else {}
+
+
+def twin(variant: str) -> str:
+    """The hand-written loop ``variant`` is compared with."""
+    option = variant.rsplit("-", 1)[-1]
+    return f"hand-{option}" if option in ACCELERATOR_OPTIONS else "hand"
 
 
 def noop_plugin_class():

@@ -129,11 +129,12 @@ def main(argv=None):
     parser.add_argument("--pause", default="")
     parser.add_argument("--gpu", action="store_true",
                         help="on GPUs, launched with --use_fsdp: Accelerate's FSDP as it is, not forced")
+    parser.add_argument("--processes", type=int, default=2, help="1: one GPU (benchmarks/gpu_check.sh)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
     accelerator = Accelerator(cpu=not args.gpu)
-    assert accelerator.num_processes == 2, accelerator.num_processes
+    assert accelerator.num_processes == args.processes, accelerator.num_processes
     rank = accelerator.process_index
     set_seed(0)
     x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))

@@ -230,7 +230,6 @@ def load(loop, path, *, strict: bool = True, trust_pickles=None, staged: Staged 
         if plan.elastic:  # the other saved ranks' positions and loop.log values
             folder = Folder(path, doc)
             parts = {r: read_rank_file(folder, r) for r in elastic.needed_ranks(staged, plan)}
-            folder.settle()
             mine = staged.source_rank
             parts[mine] = (staged.epoch_start, staged.generators, staged.logged)
     _restore_early(loop, staged, where)

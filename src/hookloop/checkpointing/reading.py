@@ -5,18 +5,20 @@ is read, nothing in the loop changed yet: the one reader of Accelerate's files
 the weights of either (:func:`read_weights`).
 
 A hookloop checkpoint's files are checked against its manifest: the size when
-opened, the CRC-32 on the bytes the deserialiser reads (in a thread, over a
-memory map of the same descriptor: the GIL released, the pages read from
-storage once), the weights' and optimizer states' finiteness in that thread
-too while the small files are read; :meth:`Folder.settle` raises the first
-failure in reading order, checksums first. A script's folder has no manifest:
-its files are read bounded by their size, confined to the folder.
+opened, then the CRC-32 over a memory map of the same descriptor, before
+anything parses it (the pages are read from storage once: the weights are
+tensors over that memory, an optimizer's state is read through the same
+descriptor from the page cache), and checked finite unless the manifest records that
+the save checked them (its checksums then prove they are what was checked:
+nothing is checked twice). One thread, in reading order: a load takes no
+core from training or another process. A script's folder has
+no manifest: its files are read bounded by their size, confined to the
+folder.
 """
 
 from __future__ import annotations
 
 import re
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,29 +68,22 @@ class Folder:
             safe_read.check_folder(self.path)
         self.names = set(doc["files"]) if doc is not None else {
             p.name for p in self.path.iterdir() if p.is_file() or p.is_symlink()}
-        self._pool: ThreadPoolExecutor | None = None
-        self._crcs: list[tuple[str, str, int, Future[int]]] = []
-        self._finite: Future[None] | None = None
         self._metadata: dict = {}
 
     def has(self, rel: str) -> bool:
         return rel in self.names
 
-    def _submit(self, fn, *args) -> Future:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hookloop-verify")
-        return self._pool.submit(fn, *args)
-
     def open(self, rel: str, what: str) -> safe_read.Opened:
-        """``rel`` opened once, its size checked now, its CRC-32 in the thread."""
+        """``rel`` opened once, its size and CRC-32 checked."""
         if self.doc is None:
             if rel not in self.names:
                 raise CheckpointError(f"{self.where} holds no {what} ({rel})")
             file = self.path / rel
             return safe_read.open_checked(file, self.path, limit=safe_read.file_size(file, self.path, what), what=what)
         opened, crc = manifest.verified(self.path, rel, self.doc, self.where, what)
-        if crc is not None:
-            self._crcs.append((rel, what, crc, self._submit(safe_read.crc32_of, opened.mmap(private=False))))
+        if crc is not None and (now := safe_read.crc32_of(opened.mmap(private=False))) != crc:
+            opened.close()
+            raise manifest.checksum_error(self.where, what, rel, now, crc)
         return opened
 
     def torch(self, rel: str, what: str):
@@ -120,21 +115,6 @@ class Folder:
         rel, legacy = accel.model_file(i), accel.legacy_model_file(i)
         return legacy if not self.has(rel) and self.has(legacy) else rel
 
-    def settle(self, finite: bool = True) -> None:
-        """Raise the first failure of the checks so far (``finite``: and the
-        finiteness's), and let the thread go."""
-        crcs, self._crcs = self._crcs, []
-        try:
-            for rel, what, expected, future in crcs:
-                if (now := future.result()) != expected:
-                    raise manifest.checksum_error(self.where, what, rel, now, expected)
-            if finite and self._finite is not None:
-                self._finite.result()
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
-
 
 def read_accelerate(folder: Folder, staged: Staged, counts: dict, label: dict, models: bool = True) -> Staged:
     """Accelerate's files of ``folder`` that ``staged``'s process needs, into
@@ -154,7 +134,9 @@ def read_accelerate(folder: Folder, staged: Staged, counts: dict, label: dict, m
             raise CheckpointError(f"{where}: cannot read {what} from {rel}: it is not an optimizer state_dict "
                                   "(no 'state' and 'param_groups')")
         staged.optimizers.append(state)
-    folder._finite = folder._submit(check_staged_finite, staged.models, staged.optimizers, where)  # (meanwhile)
+    checked = folder.doc is not None and folder.doc.get("crc32") and (folder.doc.get("checks") or {}).get("finite")
+    if not checked:  # (a script's folder, or a checkpoint whose save did not check)
+        check_staged_finite(staged.models, staged.optimizers, where)
     staged.schedulers = [folder.torch(rel, label.get(rel, f"the state of accelerator scheduler #{i}"))
                          for i in range(counts["schedulers"]) for rel in [accel.scheduler_file(i)]]
     rel, what = accel.rng_file(staged.source_rank), f"the random states of process {staged.source_rank}"
@@ -199,28 +181,23 @@ def stage(path, doc: dict | None = None, process_index: int | None = None) -> St
     folder = Folder(path, doc)
     rank = accel.process_index() if process_index is None else process_index
     try:
-        try:
-            # a rank the checkpoint has no files of (it was written by fewer processes) reads rank 0's
-            staged = Staged(path, doc, rank, source_rank=rank if rank < doc["num_processes"] else 0)
-            sharding = doc.get("sharding")
-            staged.sharded = formats.stage_sharded(folder, rank) if sharding is not None else None
-            plain = sharding is None or sharding["accelerate"]["format"] == formats.PLAIN
-            counts = {**doc["accelerate"], **({"schedulers": sharding["scheduler_files"]} if sharding and not plain
-                                              else {})}
-            read_accelerate(folder, staged, counts, labels(doc["networks"]), models=plain)
-            staged.epoch_start, staged.generators, staged.logged = read_rank_file(folder, staged.source_rank)
-            tensors = folder.tensors(TENSORS_FILE, "the plugin states") if folder.has(TENSORS_FILE) else {}
-            for name, state in doc["plugins"].items():
-                try:
-                    staged.plugin_states[name] = from_data(state, tensors)
-                except (KeyError, TypeError, AttributeError, ValueError) as exc:
-                    raise CheckpointError(f"{folder.where}: the state of plugin {name!r} refers to tensors that "
-                                          f"{TENSORS_FILE} does not hold ({type(exc).__name__}: {exc})") from exc
-            folder.settle()
-            return staged
-        except Exception:
-            folder.settle(finite=False)  # an earlier file that is not what was written: first
-            raise
+        # a rank the checkpoint has no files of (it was written by fewer processes) reads rank 0's
+        staged = Staged(path, doc, rank, source_rank=rank if rank < doc["num_processes"] else 0)
+        sharding = doc.get("sharding")
+        staged.sharded = formats.stage_sharded(folder, rank) if sharding is not None else None
+        plain = sharding is None or sharding["accelerate"]["format"] == formats.PLAIN
+        counts = {**doc["accelerate"], **({"schedulers": sharding["scheduler_files"]} if sharding and not plain
+                                          else {})}
+        read_accelerate(folder, staged, counts, labels(doc["networks"]), models=plain)
+        staged.epoch_start, staged.generators, staged.logged = read_rank_file(folder, staged.source_rank)
+        tensors = folder.tensors(TENSORS_FILE, "the plugin states") if folder.has(TENSORS_FILE) else {}
+        for name, state in doc["plugins"].items():
+            try:
+                staged.plugin_states[name] = from_data(state, tensors)
+            except (KeyError, TypeError, AttributeError, ValueError) as exc:
+                raise CheckpointError(f"{folder.where}: the state of plugin {name!r} refers to tensors that "
+                                      f"{TENSORS_FILE} does not hold ({type(exc).__name__}: {exc})") from exc
+        return staged
     except CheckpointError:
         raise
     except (TypeError, KeyError, AttributeError, IndexError, RecursionError, ValueError) as exc:
@@ -296,7 +273,6 @@ def stage_script(loop, folder: Folder, strict: bool) -> tuple[Staged, list[str]]
     for i, (state, model) in enumerate(zip(staged.models, accel.models(acc))):
         compare_shapes({k: tuple(v.shape) for k, v in state.items()}, model.state_dict(),
                        owner.get(accel.model_file(i), f"#{i}"), where)
-    folder.settle()
     if staged.scaler is None and acc.scaler is not None:
         notes.append(f"{where} holds no {accel.SCALER_FILE}: the gradient scaler starts fresh")
     unclaimed = [accel.custom_file(i) for i in _held(folder, r"^custom_checkpoint_(\d+)\.pkl$")
@@ -310,13 +286,7 @@ def stage_script(loop, folder: Folder, strict: bool) -> tuple[Staged, list[str]]
 
 def read_weights(folder: Folder, networks: dict) -> dict:
     """Each network's weights (``networks``: name -> its model's file), verified."""
-    try:
-        out = {name: folder.tensors(rel, f"the weights of network {name!r}") for name, rel in networks.items()}
-    except Exception:
-        folder.settle(finite=False)
-        raise
-    folder.settle()
-    return out
+    return {name: folder.tensors(rel, f"the weights of network {name!r}") for name, rel in networks.items()}
 
 
 def compare_shapes(saved: dict, expected: dict, network: str, where: str, rel: str = "") -> None:
