@@ -25,7 +25,11 @@ Method:
 - **The saving step's excess** over the process's median step: what a save
   blocks training for (wall clock), and the same in CPU time of the
   training thread (``time.thread_time``: what the save costs that thread
-  itself, steadier when other processes share the cores).
+  itself, steadier when other processes share the cores): the median of
+  the 5 saves after a run's first. The first save's excess is a column of
+  its own, for every variant: it allocates what the later ones reuse (the
+  host buffers of an asynchronous save, which may also find its writer
+  process still importing torch; the allocator's arenas for the others).
 - **All steps' excess per save**: the excess of all 60 steps over the
   process's own median step, per save, minus the same excess of the run of
   the same loop without saves in that repeat (its jitter): what saving
@@ -365,15 +369,16 @@ def main(argv=None) -> int:
           f"thread(s); load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
           f"({os.cpu_count()} CPUs); ms, median over repeats (lowest–highest)\n")
     print("- saving step's excess: the step that saves, over the process's median step (wall clock): "
-          "what the save blocks training for.")
+          "what the save blocks training for; the median of a run's saves after its first, whose "
+          "excess is its own column (it allocates what the later saves reuse).")
     print("- its training-thread CPU: the same excess in CPU time of the training thread (what the "
           "save itself costs that thread; steadier than wall time on a shared machine).")
     print("- all steps' excess per save: every step's excess over the median, per save, minus the "
           "no-save run's: includes the slow-down a background writer causes to the steps after a "
           "save (noisy: a repeat's jitter can exceed a save).\n")
     print("| variant | step without saves | saving step's excess | × save_state's | its training-thread "
-          "CPU | all steps' excess per save |")
-    print("|---|---:|---:|---:|---:|---:|")
+          "CPU | the first save's excess | all steps' excess per save |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     stall = {}
     for v, base in BASELINE.items():
         if v not in results or base not in results:
@@ -382,14 +387,18 @@ def main(argv=None) -> int:
         stall[v] = [(a["all_excess_ms"] - b["all_excess_ms"]) / n for a, b in zip(results[v], results[base])]
     for v in stall:
         steps = [b["median_step_ms"] for b in results[BASELINE[v]]]
-        excess = [statistics.median(x["excess_ms"]) for x in results[v]]
-        cpu = [statistics.median(x["cpu_excess_ms"]) for x in results[v]]
+        # (the saves after a run's first: its first allocates what the others reuse, for every
+        # variant: host buffers, a writer process that is still starting, the allocator's arenas)
+        excess = [statistics.median(x["excess_ms"][1:]) for x in results[v]]
+        cpu = [statistics.median(x["cpu_excess_ms"][1:]) for x in results[v]]
+        first = [x["excess_ms"][0] for x in results[v]]
         ratio = ""
         if "hand-save_state" in stall:  # (per repeat: the saving steps' excess, the steady figure)
-            hand = [statistics.median(x["excess_ms"]) for x in results["hand-save_state"]]
+            hand = [statistics.median(x["excess_ms"][1:]) for x in results["hand-save_state"]]
             ratios = [a / b for a, b in zip(excess, hand) if b > 0]
             ratio = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})" if ratios else ""
-        print(f"| {LABELS[v]} | {fmt(steps)} | {fmt(excess)} | {ratio} | {fmt(cpu)} | {fmt(stall[v])} |")
+        print(f"| {LABELS[v]} | {fmt(steps)} | {fmt(excess)} | {ratio} | {fmt(cpu)} | {fmt(first)} | "
+              f"{fmt(stall[v])} |")
     for kind, rows in tables.items():
         n = len(rows[0]["ms"])
         print(f"\nOne save / one load of that model ({rows[0]['mb']:.0f} MB of files; in the page cache), "

@@ -30,7 +30,9 @@ import torch
 PREEMPTED_EXIT_CODE = getattr(os, "EX_TEMPFAIL", 75)
 
 #: the signals handled by default
-DEFAULT_SIGNALS = ("SIGTERM", "SIGINT")
+#: SIGUSR1: SLURM's warning before the time limit (``#SBATCH --signal=USR1@90``), as
+#: Lightning's ``SLURMEnvironment`` takes it (where the platform has it)
+DEFAULT_SIGNALS = tuple(s for s in ("SIGTERM", "SIGINT", "SIGUSR1") if hasattr(signal, s))
 
 
 class Preempted(SystemExit):

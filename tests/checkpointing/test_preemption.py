@@ -1,4 +1,4 @@
-"""SIGTERM / SIGINT: finish the step, save, run on_exception, exit with 75."""
+"""SIGTERM / SIGINT / SIGUSR1: finish the step, save, run on_exception, exit with 75."""
 
 import json
 import os
@@ -82,6 +82,22 @@ def test_sigint_in_process_stops_after_the_step_saves_and_calls_on_exception(tin
     assert "on_fit_end" not in recorder.names()
     loop.close()
     assert signal.getsignal(signal.SIGINT) is before  # handlers given back with the loop
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1 on this platform")
+def test_slurms_warning_signal_sigusr1_is_a_preemption_by_default(tiny_loop, tmp_path):
+    """``#SBATCH --signal=USR1@90``: the warning saves and stops as SIGTERM does (0.3
+    left SIGUSR1 to its default action, which kills the process, nothing saved)."""
+    before = signal.getsignal(signal.SIGUSR1)
+    loop = tiny_loop([SendSignal(at=3, signum=signal.SIGUSR1), Checkpoint(dir=tmp_path)])
+    with pytest.raises(Preempted) as info:
+        loop.fit(epochs=2)
+    assert info.value.code == PREEMPTED_EXIT_CODE and info.value.signal == signal.SIGUSR1
+    assert info.value.global_step == 3
+    assert read_manifest(tmp_path / "step-00000003")["reason"] == "preempted"
+    assert json.loads((tmp_path / "PREEMPTED").read_text())["signal"] == "SIGUSR1"
+    loop.close()
+    assert signal.getsignal(signal.SIGUSR1) is before
 
 
 def test_under_accumulation_the_stop_waits_for_the_optimizer_step(tiny_loop, tmp_path):

@@ -196,13 +196,15 @@ def save_small_files(acc, folder) -> None:
 
 def torch_load(source, rel: str, where: str, what: str):
     """``torch.load(weights_only=True)`` of an opened file (its descriptor,
-    not opened again) or of bytes, as Accelerate reads its files (numpy's
-    RNG types allowed). The error never suggests ``weights_only=False``."""
+    not opened again), a file object or bytes, as Accelerate reads its files
+    (numpy's RNG types allowed). The error never suggests ``weights_only=False``."""
     import io
 
     from accelerate.utils import load as accelerate_load
 
     try:
+        if isinstance(source, io.IOBase):  # (a file object: safe_read.ChecksummingReader)
+            return accelerate_load(source, map_location="cpu")
         with io.BytesIO(source) if isinstance(source, bytes) else source.reader() as f:
             return accelerate_load(f, map_location="cpu")
     except Exception as exc:  # noqa: BLE001

@@ -73,22 +73,47 @@ class Folder:
     def has(self, rel: str) -> bool:
         return rel in self.names
 
-    def open(self, rel: str, what: str) -> safe_read.Opened:
-        """``rel`` opened once, its size and CRC-32 checked."""
+    def _open(self, rel: str, what: str) -> tuple[safe_read.Opened, int | None]:
+        """``rel`` opened once, its size checked; the CRC-32 it must have (None: none recorded)."""
         if self.doc is None:
             if rel not in self.names:
                 raise CheckpointError(f"{self.where} holds no {what} ({rel})")
             file = self.path / rel
-            return safe_read.open_checked(file, self.path, limit=safe_read.file_size(file, self.path, what), what=what)
-        opened, crc = manifest.verified(self.path, rel, self.doc, self.where, what)
-        if crc is not None and (now := safe_read.crc32_of(opened.mmap(private=False))) != crc:
-            opened.close()
-            raise manifest.checksum_error(self.where, what, rel, now, crc)
+            return safe_read.open_checked(file, self.path, limit=safe_read.file_size(file, self.path, what),
+                                          what=what), None
+        return manifest.verified(self.path, rel, self.doc, self.where, what)
+
+    def _check(self, rel: str, what: str, expected: int | None, now: int) -> None:
+        if expected is not None and now != expected:
+            raise manifest.checksum_error(self.where, what, rel, now, expected)
+
+    def open(self, rel: str, what: str) -> safe_read.Opened:
+        """``rel`` opened once, its size and CRC-32 (over a memory map) checked."""
+        opened, crc = self._open(rel, what)
+        if crc is not None:
+            try:
+                self._check(rel, what, crc, safe_read.crc32_of(opened.mmap(private=False)))
+            except CheckpointError:
+                opened.close()
+                raise
         return opened
 
     def torch(self, rel: str, what: str):
-        with self.open(rel, what) as opened:
-            return accel.torch_load(opened, rel, self.where, what)
+        """``torch.load`` of ``rel``, checksummed as it reads it (each byte once:
+        :class:`~.safe_read.ChecksummingReader`); a file that does not match its
+        checksum is that error, whatever the unpickler made of it."""
+        opened, crc = self._open(rel, what)
+        with opened:
+            if crc is None:
+                return accel.torch_load(opened, rel, self.where, what)
+            reader = safe_read.ChecksummingReader(opened)
+            try:
+                state = accel.torch_load(reader, rel, self.where, what)
+            except CheckpointError:
+                self._check(rel, what, crc, reader.checksum())  # (corrupt on disk: say so)
+                raise
+            self._check(rel, what, crc, reader.checksum())
+            return state
 
     def tensors(self, rel: str, what: str) -> dict:
         with self.open(rel, what) as opened:
@@ -100,8 +125,11 @@ class Folder:
         return state
 
     def bytes(self, rel: str, what: str) -> bytes:
-        with self.open(rel, what) as opened:
-            return opened.read()
+        opened, crc = self._open(rel, what)
+        with opened:
+            data = opened.read()
+        self._check(rel, what, crc, safe_read.crc32(data))
+        return data
 
     def metadata(self, part: str):
         """The DCP ``.metadata`` of folder ``part``, read once, safely."""

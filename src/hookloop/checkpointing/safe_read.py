@@ -14,6 +14,7 @@ faster, the same values). Every refusal is a :class:`RefusedFile` naming the fil
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import mmap as _mmap
 import os
@@ -37,6 +38,10 @@ try:  # an optional speed-up: ISA-L's carry-less multiplication
         b"hookloop") else (zlib.crc32, "zlib")
 except ImportError:
     crc32, CRC32_IMPLEMENTATION = zlib.crc32, "zlib"
+
+
+#: bytes read at a time to catch up a checksum
+CHUNK = 4 << 20
 
 
 def crc32_of(mapped) -> int:
@@ -153,6 +158,78 @@ class Opened:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class ChecksummingReader(io.RawIOBase):
+    """A file object over an :class:`Opened` file that computes the whole
+    file's CRC-32 from the bytes its reader reads, in file order: what the
+    reader reads front to back is checksummed as it lands, hot in the cache
+    (``torch.load`` reads a zip's records in order, each storage straight into
+    its tensor's memory); the little it skips between them (a record's name
+    and padding) and what it read out of order (the zip's directory, at the
+    end) is read for the checksum: each byte of the file read once more at
+    most, the tensors' not at all. :meth:`checksum` finishes it."""
+
+    #: a gap up to this size ahead of the checksum is read to keep up; a read further ahead is left for the end
+    GAP = 1 << 16
+
+    def __init__(self, opened: Opened):
+        super().__init__()
+        self.opened, self.pos, self.done, self.crc = opened, 0, 0, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self.pos = offset if whence == os.SEEK_SET else self.pos + offset if whence == os.SEEK_CUR \
+            else self.opened.size + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        want = max(0, min(len(view), self.opened.size - self.pos))
+        n = _pread_into(self.opened.fd, view[:want], self.pos) if want else 0
+        if self.done < self.pos <= self.done + self.GAP:
+            self._catch_up(self.pos)
+        if self.pos <= self.done < self.pos + n:
+            self.crc = crc32(view[self.done - self.pos:n], self.crc)
+            self.done = self.pos + n
+        self.pos += n
+        return n
+
+    def _catch_up(self, upto: int) -> None:
+        while self.done < upto:
+            data = os.pread(self.opened.fd, min(CHUNK, upto - self.done), self.done)
+            if not data:
+                break
+            self.crc, self.done = crc32(data, self.crc), self.done + len(data)
+
+    def checksum(self) -> int:
+        """The CRC-32 of the whole file (the rest read now)."""
+        self._catch_up(self.opened.size)
+        return self.crc
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` from ``fd`` at ``offset`` (short only at the end of the file)."""
+    done = 0
+    while done < len(view):
+        if hasattr(os, "preadv"):
+            n = os.preadv(fd, [view[done:]], offset + done)
+        else:  # (Windows)
+            data = os.pread(fd, len(view) - done, offset + done)
+            n = len(data)
+            view[done:done + n] = data
+        if not n:
+            break
+        done += n
+    return done
 
 
 def open_checked(file, root, *, limit: int, what: str, why: str | None = None) -> Opened:

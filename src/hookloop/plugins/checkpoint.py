@@ -150,6 +150,11 @@ class Checkpoint(checkpointing.CheckpointPolicy):
         self._resumed = (checkpoint, manifest) if manifest is not None else None
 
     @hookimpl
+    def on_loop_start(self, loop):
+        if self.asynchronous and loop.accelerator.is_main_process:
+            writer.writer_of(loop)  # (its start-up, ~2 s of imports, overlaps the loop's own)
+
+    @hookimpl
     def on_loop_end(self, loop):
         try:
             wait(loop)  # loop.close(): a save in flight (one outside a fit) is published first
@@ -173,7 +178,7 @@ class Checkpoint(checkpointing.CheckpointPolicy):
         self._epoch_ending = False
         self._update_best(loop, scan)
         if self.asynchronous and acc.is_main_process:
-            writer.writer_of(loop)  # (its start-up, ~1 s of imports, overlaps the first steps)
+            writer.writer_of(loop)  # (started with the loop; again if it died since)
         self._ready = True
 
     @hookimpl
