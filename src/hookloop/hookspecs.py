@@ -17,6 +17,7 @@ Call order for one epoch of supervised training with an evaluation set::
         training_step                                 │ once per batch
           compute_loss                                │
           before_backward / after_backward            │ once per network
+          commit_update                               │ (update steps only; False: discarded)
           before_optimizer_step / after_optimizer_step│ (update steps only)
           before_scheduler_step / after_scheduler_step│ (update steps only)
           before_zero_grad / after_zero_grad          │ (update steps only)
@@ -512,6 +513,29 @@ def after_backward(loop: LoopLike, network: Network) -> None:
     Return value ignored.
 
     .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def commit_update(loop: LoopLike, network: Network) -> bool | None:
+    """Called at an update (gradients synchronised), after ``network``'s
+    backward pass and its ``after_backward`` hooks, before its optimizer
+    steps: return ``False`` to discard this update of ``network``.
+
+    A discarded update steps neither the optimizer nor the scheduler (the
+    gradients are zeroed, between ``before_zero_grad`` and
+    ``after_zero_grad``); its batch is consumed, not drawn again; and a
+    batch in which any network's update was discarded is not counted:
+    ``loop.state.global_step`` counts committed updates, there is no safe
+    point after it, and ``loop.discarded_updates`` counts it. This is
+    where per-step fault tolerance decides (``hookloop-torchft`` returns
+    torchft's ``Manager.should_commit()``). ``None`` or ``True``: commit.
+    Unimplemented, it costs nothing.
+
+    :param loop: the :class:`~hookloop.Loop`.
+    :param network: the :class:`~hookloop.Network` about to be updated.
+
+    .. versionadded:: 0.4
     """
 
 

@@ -126,6 +126,9 @@ class Loop:
         self._logbook = Logbook(self.accelerator, self.plugins)  # loop.log, trackers, metrics
         self._agreement = Agreement(self.accelerator)  # stops asked on some processes only
         self._safe = False  # inside on_safe_point
+        self._discarded = False  # a network's update of the current batch was discarded (commit_update)
+        #: batches whose update a ``commit_update`` hook discarded (not counted in ``global_step``)
+        self.discarded_updates = 0
         #: the checkpoint directory the last :meth:`load_checkpoint` restored
         self.resumed_from: Path | None = None
         _open_loops.add(self)
@@ -165,6 +168,12 @@ class Loop:
     def skip_batch(self) -> None:
         """From ``before_step``: do not train on the current batch."""
         self.state.skip_batch = True
+
+    def discard_update(self) -> None:
+        """The current batch's update is not counted (a strategy's ``update``
+        calls it when a ``commit_update`` hook returned False): no
+        ``global_step``, no safe point; :attr:`discarded_updates` counts it."""
+        self._discarded = True
 
     def end_epoch(self, *, every_rank: bool = False) -> None:
         """End the current epoch at the next update boundary, as if its data
@@ -361,7 +370,10 @@ class Loop:
                 if settings.get("num_steps", 1) != k:
                     checks.accumulation_changed_inside_step(k, settings.get("num_steps", 1))
                 state.micro_step += 1
-                if k == 1 or gradient_state.sync_gradients:
+                if self._discarded:  # (commit_update said no: the batch is consumed, not counted)
+                    self._discarded, in_group = False, 0
+                    self.discarded_updates += 1
+                elif k == 1 or gradient_state.sync_gradients:
                     state.global_step += 1
                     in_group, updated = 0, True
                 else:

@@ -261,3 +261,38 @@ def test_an_error_from_disagreeing_collectives_says_so(tiny_loop, monkeypatch):
     notes = "\n".join(info.value.__notes__)
     assert "surfaced in hook 'after_backward' of plugin 'Mismatch'" in notes
     assert "may have run different collectives" in notes and "some processes only" in notes
+
+
+def test_a_discarded_update_changes_nothing_is_not_counted_and_its_batch_is_not_drawn_again(tiny_loop):
+    """``commit_update`` returning False (what per-step fault tolerance does when the
+    replicas do not agree to commit): the batch is consumed, the optimizer and the
+    scheduler do not step, the gradients are zeroed, the update is not counted and
+    has no safe point."""
+    safe_points, params, lrs = [], [], []
+
+    class Discard:
+        @hookimpl
+        def commit_update(self, loop, network):
+            return loop.state.step_in_epoch != 3  # the third batch's update
+
+        @hookimpl
+        def after_step(self, loop):
+            net = loop.networks["model"]
+            params.append([p.detach().clone() for p in net.unwrapped.parameters()])
+            lrs.append(net.optimizer.param_groups[0]["lr"])
+            assert all(p.grad is None or not p.grad.any() for p in net.unwrapped.parameters())
+
+        @hookimpl
+        def on_safe_point(self, loop, epoch_end):
+            if not epoch_end:
+                safe_points.append((loop.state.global_step, loop.state.step_in_epoch))
+
+    loop = tiny_loop([Discard()])
+    loop.fit(epochs=1)  # 8 batches
+    assert (loop.state.global_step, loop.state.micro_step, loop.discarded_updates) == (7, 8, 1)
+    assert safe_points == [(1, 1), (2, 2), (3, 4), (4, 5), (5, 6), (6, 7), (7, 8)]
+    same = [all(torch.equal(a, b) for a, b in zip(params[i], params[i - 1])) for i in range(1, 8)]
+    assert same == [False, True, False, False, False, False, False]  # batch 3 changed nothing
+    assert lrs[2] == lrs[1] != lrs[3]  # nor stepped the scheduler
+    optimizer = loop.networks["model"].optimizer
+    assert {int(s["step"]) for s in optimizer.state_dict()["state"].values()} == {7}  # Adam's own count

@@ -222,7 +222,7 @@ def plain_step(loop, network, batch, forward):
 
 #: the hooks around one network's update; without implementations (the
 #: defaults) their calls are left out, which nobody can tell
-_UPDATE_HOOKS = ("before_optimizer_step", "after_optimizer_step", "before_scheduler_step",
+_UPDATE_HOOKS = ("commit_update", "before_optimizer_step", "after_optimizer_step", "before_scheduler_step",
                  "after_scheduler_step", "before_zero_grad", "after_zero_grad")
 _BACKWARD_HOOKS = ("before_backward", "after_backward")
 _STEP_HOOKS = _BACKWARD_HOOKS + _UPDATE_HOOKS
@@ -245,9 +245,13 @@ def update(loop, network):
     if not fast.sync_gradients() or hook.unimplemented(_UPDATE_HOOKS):
         fast.update(optimizer, scheduler)  # step, scheduler step, zero_grad
         return
-    hook.before_optimizer_step(loop=loop, network=network)
-    fast.step(optimizer)
-    hook.after_optimizer_step(loop=loop, network=network)
+    if False in hook.commit_update(loop=loop, network=network):  # discarded: zero_grad only
+        loop.discard_update()
+        scheduler = None
+    else:
+        hook.before_optimizer_step(loop=loop, network=network)
+        fast.step(optimizer)
+        hook.after_optimizer_step(loop=loop, network=network)
     if scheduler is not None:
         hook.before_scheduler_step(loop=loop, network=network)
         fast.scheduler_step(scheduler)
