@@ -534,6 +534,7 @@ def commit_update(loop: LoopLike, network: Network) -> bool | None:
 
     :param loop: the :class:`~hookloop.Loop`.
     :param network: the :class:`~hookloop.Network` about to be updated.
+    :return: ``False`` to discard the update; ``None`` (or ``True``) to commit it.
 
     .. versionadded:: 0.4
     """
