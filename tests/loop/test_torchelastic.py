@@ -42,12 +42,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: torch 2.13's agents publish the shared store's address for their first round only: an
+#: agent that stays rank 0 through a membership change never publishes it for the next
+#: round, and a joining agent waits for it until the rendezvous times out. Not sharing the
+#: rendezvous store with the workers (a store of their own each round) avoids it.
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
 def torchrun(out: Path, *options, args=()) -> subprocess.Popen:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", *map(str, options), str(SCRIPT), str(out),
            "--ckpt", str(out.parent / "checkpoints"), *map(str, args)]
     log = open(out / f"agent-{time.monotonic_ns()}.log", "w")
-    return subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, env=_env(**ELASTIC_ENV), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
 def finish(process: subprocess.Popen) -> int:
@@ -87,31 +95,37 @@ def every_example_of_every_epoch(records: list[dict], epochs: int) -> bool:
 
 
 class Store:
-    """The rendezvous store in a process of its own (as a job's launcher host
-    keeps it), so that losing either node's agent does not lose it."""
+    """The c10d rendezvous of two agents: the first agent started hosts its
+    store (``own_process``: a process of its own hosts it, as a job's launcher
+    host keeps it, so that losing either node's agent does not lose it)."""
 
-    def __init__(self):
-        self.port = free_port()
-        self.process = subprocess.Popen([sys.executable, "-c", (
-            "import time, torch.distributed as d; "
-            f"s = d.TCPStore('127.0.0.1', {self.port}, is_master=True, wait_for_workers=False); "
-            "print('ready', flush=True); time.sleep(3600)")], stdout=subprocess.PIPE, text=True)
-        assert self.process.stdout.readline().strip() == "ready"
+    def __init__(self, own_process: bool):
+        self.port, self.process = free_port(), None
+        if own_process:
+            self.process = subprocess.Popen([sys.executable, "-c", (
+                "import time, torch.distributed as d; "
+                f"s = d.TCPStore('127.0.0.1', {self.port}, is_master=True, wait_for_workers=False); "
+                "print('ready', flush=True); time.sleep(3600)")], stdout=subprocess.PIPE, text=True)
+            assert self.process.stdout.readline().strip() == "ready"
+        self.agents = 0
 
     def agent(self, out: Path, *args) -> subprocess.Popen:
+        host = "false" if self.process is not None or self.agents else "true"
+        self.agents += 1
         return torchrun(out, "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=3", "--rdzv-backend=c10d",
                         f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=hookloop-test",
-                        "--rdzv-conf=is_host=false,last_call_timeout=2,join_timeout=120",
+                        f"--rdzv-conf=is_host={host},last_call_timeout=2,join_timeout=120",
                         "--monitor-interval=0.2", args=args)
 
     def close(self):
-        self.process.kill()
-        self.process.wait()
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
 
 
 @pytest.fixture
-def store():
-    s = Store()
+def store(request):
+    s = Store(own_process=getattr(request, "param", True))
     yield s
     s.close()
 
@@ -144,6 +158,7 @@ def test_a_node_lost_under_nnodes_1_2_continues_on_one_process(tmp_path, store):
         assert starts[0]["num_processes"] == 2
         for pid in [*_descendants(b.pid), b.pid]:  # node b lost: its agent and its worker
             os.kill(pid, signal.SIGKILL)
+        killed_after = max(r["global_step"] for r in lines(out / "records.jsonl"))
         b.wait()
         assert finish(a) == 0, logs(out)
     finally:
@@ -151,17 +166,20 @@ def test_a_node_lost_under_nnodes_1_2_continues_on_one_process(tmp_path, store):
         _kill(b)
     starts, records = lines(out / "starts.jsonl"), lines(out / "records.jsonl")
     last = starts[-1]
-    assert last["num_processes"] == 1 and last["global_step"] in (3, 6)  # the last checkpoint
+    # resumed on one process from the last checkpoint (every 3 updates and every epoch end)
+    assert last["num_processes"] == 1 and 0 < last["global_step"] and killed_after - last["global_step"] <= 3
     trained = [r["global_step"] for r in records]
     redone = sorted({s for s in trained if trained.count(s) > 1})
     assert all(s > last["global_step"] for s in redone), (redone, last)  # only after the checkpoint
+    assert sorted(set(trained)) == list(range(1, 13))  # 4 updates an epoch on 1 or 2 processes
     assert json.loads((out / "run.json").read_text())["num_processes"] == 1
     assert every_example_of_every_epoch(records, 3)
 
 
+@pytest.mark.parametrize("store", [False], indirect=True)  # (the first agent, which stays, hosts it)
 def test_a_node_joining_under_nnodes_1_2_is_a_preemption_and_nothing_is_redone(tmp_path, store):
     out = tmp_path / "job" / "run"
-    args = ("--epochs", "3", "--every-steps", "100", "--step-sleep", "0.15")
+    args = ("--epochs", "6", "--every-steps", "100", "--step-sleep", "0.4")  # 24 updates, ~10 s alone
     a = store.agent(out, *args)
     b = None
     try:
@@ -178,11 +196,11 @@ def test_a_node_joining_under_nnodes_1_2_is_a_preemption_and_nothing_is_redone(t
     starts, records = lines(out / "starts.jsonl"), lines(out / "records.jsonl")
     assert [s["num_processes"] for s in starts] == [1, 2], starts
     resumed = starts[1]
-    # the stop was a preemption: a checkpoint of the last update before it (none was due)
+    # the agent's SIGTERM was a preemption: a checkpoint at the next safe point, status 75
+    assert "SIGTERM received: saved" in logs(out) and "exiting with status 75" in logs(out)
     doc = json.loads((tmp_path / "job" / "checkpoints" / resumed["resumed_from"] / "hookloop.json").read_text())
-    assert doc["reason"] == "preempted" and doc["loop"]["global_step"] == resumed["global_step"] > 0
+    assert doc["loop"]["global_step"] == resumed["global_step"] > 0
     trained = [r["global_step"] for r in records]
-    assert len(trained) == len(set(trained)), "an update was redone"
-    assert trained == sorted(trained)
+    assert trained == list(range(1, 25)), "an update was redone or lost"
     assert json.loads((out / "run.json").read_text())["num_processes"] == 2
-    assert every_example_of_every_epoch(records, 3)
+    assert every_example_of_every_epoch(records, 6)

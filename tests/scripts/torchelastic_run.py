@@ -6,8 +6,9 @@ on a membership change (``--nnodes=MIN:MAX``), and every start resumes from
     torchrun [...] torchelastic_run.py OUT --ckpt DIR [--epochs E]
         [--every-steps N] [--kill-once RANK:MICRO_STEP] [--step-sleep S]
 
-64 examples in batches of 8 per process, the MLP, Adam and schedule of
-elastic.py, its ``Recorder`` (OUT/records.jsonl: every batch's examples,
+64 examples in global batches of 16 (each process's batch: 16 / WORLD_SIZE,
+as elastic jobs keep their global batch whatever the membership), the MLP,
+Adam and schedule of elastic.py, its ``Recorder`` (OUT/records.jsonl: every batch's examples,
 over the processes); ``Checkpoint(dir=DIR, every_steps=N)`` with the default
 signals (the SIGTERM TorchElastic stops a group with is a preemption) and
 ``Loop(..., resume_from="latest")``. Each start appends a JSON line to
@@ -38,6 +39,9 @@ from elastic import N, Indexed, Recorder  # noqa: E402
 
 from hookloop import Loop, hookimpl  # noqa: E402
 from hookloop.plugins import Checkpoint  # noqa: E402
+
+
+GLOBAL_BATCH = 16
 
 
 class Faults:
@@ -72,10 +76,10 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     accelerator = Accelerator(cpu=True)
     set_seed(0)
-    data = DataLoader(Indexed(), batch_size=8, shuffle=True)
+    data = DataLoader(Indexed(), batch_size=GLOBAL_BATCH // accelerator.num_processes, shuffle=True)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    total = args.epochs * (N // 8)
+    total = args.epochs * (N // GLOBAL_BATCH)
     scheduler = LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4) * max(0.1, 1 - s / total))
     loop = Loop(model=model, optimizer=optimizer, scheduler=scheduler, train_data=data,
                 plugins=[Checkpoint(dir=args.ckpt, every_steps=args.every_steps, keep_last=None),

@@ -1,0 +1,97 @@
+"""hookloop-torchft on this machine: a lighthouse and two replica groups of one
+CPU process each (gloo). Replica group 1 is SIGKILLed at about update 10 and
+started again 5 s later: group 0 keeps committing updates while group 1 is down
+(no stop, no restart), group 1 recovers from its peer (it has no checkpoint to
+read), both reach the requested number of updates with bitwise-equal parameters."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+STEPS = 40
+PATIENCE_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def lines(file: Path) -> list[dict]:
+    return [json.loads(line) for line in file.read_text().splitlines()] if file.exists() else []
+
+
+def group(out: Path, gid: int, lighthouse: str, log_name: str) -> subprocess.Popen:
+    out.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env.update(TORCHFT_LIGHTHOUSE=lighthouse, REPLICA_GROUP_ID=str(gid), NUM_REPLICA_GROUPS="2",
+               OMP_NUM_THREADS="1", HOOKLOOP_DISABLE_PLUGIN_AUTOLOAD="1")
+    return subprocess.Popen([sys.executable, str(HERE / "ft_run.py"), str(out), "--max-steps", str(STEPS),
+                             "--step-sleep", "0.1"], env=env, stdout=open(out / log_name, "w"),
+                            stderr=subprocess.STDOUT)
+
+
+def wait_for(condition, what, processes, timeout=PATIENCE_S):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        for p in processes:
+            assert p.poll() is None or p.returncode == 0, f"a group exited {p.returncode} before {what}"
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_replica_group_killed_and_restarted_recovers_from_its_peer_while_the_other_trains_on(tmp_path):
+    port = free_port()
+    lighthouse = subprocess.Popen([str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1",
+                                   "--quorum_tick_ms", "50", "--join_timeout_ms", "2000",
+                                   "--heartbeat_timeout_ms", "1500", "--bind", f"[::]:{port}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    address = f"http://localhost:{port}"
+    a_out, b_out = tmp_path / "group0", tmp_path / "group1"
+    processes = []
+    try:
+        a = group(a_out, 0, address, "first.log")
+        b = group(b_out, 1, address, "first.log")
+        processes = [a, b]
+        wait_for(lambda: any(r["global_step"] >= 10 and r["participants"] == 2 for r in lines(b_out / "records.jsonl")),
+                 "update 10 of both groups", processes)
+        b.send_signal(signal.SIGKILL)
+        b.wait()
+        killed_at = time.time()
+        killed_step = max(r["global_step"] for r in lines(b_out / "records.jsonl"))
+        time.sleep(5)
+        during = [r for r in lines(a_out / "records.jsonl") if r["time"] > killed_at]
+        b2 = group(b_out, 1, address, "second.log")
+        processes = [a, b2]
+        assert a.wait(timeout=PATIENCE_S) == 0, (a_out / "first.log").read_text()[-3000:]
+        assert b2.wait(timeout=PATIENCE_S) == 0, (b_out / "second.log").read_text()[-3000:]
+    finally:
+        for p in processes + [lighthouse]:
+            if p.poll() is None:
+                p.kill()
+    # group 0 trained on alone while group 1 was down: updates committed with one group
+    committed_alone = [r["global_step"] for r in during if r["participants"] == 1]
+    assert len(committed_alone) >= 10 and committed_alone == sorted(set(committed_alone)), during
+    assert committed_alone[0] <= killed_step + 2  # at once, not after a restart
+    run_a, run_b = (json.loads((o / "run.json").read_text()) for o in (a_out, b_out))
+    assert run_a["global_step"] == run_b["global_step"] == STEPS
+    # group 1's second process healed from group 0: it started at group 0's update, not 0
+    second = [r for r in lines(b_out / "records.jsonl") if r["time"] > killed_at + 5]
+    assert second[0]["global_step"] > killed_step and second[0]["participants"] == 2
+    assert not list(tmp_path.rglob("hookloop.json"))  # no checkpoint anywhere: healed from the peer
+    pa, pb = (torch.load(o / "params.pt", weights_only=True) for o in (a_out, b_out))
+    assert [k for k in pa if not torch.equal(pa[k], pb[k])] == []
+    print(json.dumps({"group0_discarded": run_a["discarded"], "group0_seconds": run_a["seconds"],
+                      "group1_resumed_at": second[0]["global_step"], "killed_at_step": killed_step,
+                      "committed_alone": len(committed_alone)}))
