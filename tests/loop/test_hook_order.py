@@ -10,6 +10,7 @@ PER_STEP = [
     "compute_loss",
     "before_backward",
     "after_backward",
+    "commit_update",  # (no implementation votes to discard it: the update is made)
     "before_optimizer_step",
     "after_optimizer_step",
     "before_scheduler_step",

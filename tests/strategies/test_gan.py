@@ -170,8 +170,9 @@ def test_hook_order_per_batch_discriminator_then_generator():
         network = call.kwargs.get("network")
         return call.hook if network is None else f"{call.hook}:{network.name}"
 
-    per_network = ["compute_loss", "before_backward", "after_backward", "before_optimizer_step",
-                   "after_optimizer_step", "before_scheduler_step", "after_scheduler_step",
+    per_network = ["compute_loss", "before_backward", "after_backward", "commit_update",
+                   "before_optimizer_step", "after_optimizer_step", "before_scheduler_step",
+                   "after_scheduler_step",
                    "before_zero_grad", "after_zero_grad"]
     one_batch = [
         "before_step", "training_step",

@@ -21,6 +21,7 @@ from pathlib import Path
 
 def train_func(config):
     import os
+    import time
 
     import torch
     from accelerate import Accelerator
@@ -52,6 +53,7 @@ def train_func(config):
             if (config["fail_once"] and loop.accelerator.process_index == 1 and report.reports >= 1
                     and not marker.exists()):
                 marker.write_text(str(loop.state.global_step))
+                time.sleep(3)  # (Ray's controller registers a reported checkpoint when it next polls)
                 os._exit(1)
 
     resume = hookloop_ray.resume_point()
