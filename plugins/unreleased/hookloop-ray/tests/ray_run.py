@@ -65,7 +65,7 @@ def train_func(config):
         with open(out / "starts.jsonl", "a") as f:
             f.write(json.dumps({"global_step": loop.state.global_step, "resumed_from": str(resume),
                                 "num_processes": acc.num_processes,
-                                "distributed_type": str(acc.distributed_type)}) + "\n")
+                                "distributed_type": acc.distributed_type.value}) + "\n")
     loop.fit(epochs=3)
     if acc.is_main_process:
         torch.save({k: v.detach().clone() for k, v in loop.networks["model"].unwrapped.state_dict().items()},
