@@ -172,8 +172,7 @@ def test_hook_order_per_batch_discriminator_then_generator():
 
     per_network = ["compute_loss", "before_backward", "after_backward", "commit_update",
                    "before_optimizer_step", "after_optimizer_step", "before_scheduler_step",
-                   "after_scheduler_step",
-                   "before_zero_grad", "after_zero_grad"]
+                   "after_scheduler_step", "before_zero_grad", "after_zero_grad"]
     one_batch = [
         "before_step", "training_step",
         *(f"{h}:discriminator" for h in per_network),

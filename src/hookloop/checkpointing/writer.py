@@ -123,12 +123,16 @@ def write_file(folder: Path, rel: str, kind: str, payload, metadata=None) -> tup
         return out.close()
 
 
+#: the threads that write one save's big files (1: one after the other, in a fixed order)
+WRITE_THREADS = 4
+
+
 def write_files(tmp: Path, files: list) -> dict:
     """``[rel, kind, payload, metadata]`` into ``tmp``, the big ones in parallel
     (the writes, checksums and fsyncs release the GIL): ``{rel: (size, crc32)}``."""
-    if len(files) < 2:
+    if len(files) < 2 or WRITE_THREADS < 2:
         return {rel: write_file(tmp, rel, kind, payload, meta) for rel, kind, payload, meta in files}
-    with ThreadPoolExecutor(min(len(files), 4), thread_name_prefix="hookloop-write") as pool:
+    with ThreadPoolExecutor(min(len(files), WRITE_THREADS), thread_name_prefix="hookloop-write") as pool:
         futures = {f[0]: pool.submit(write_file, tmp, *f) for f in files}
         return {rel: future.result() for rel, future in futures.items()}
 
