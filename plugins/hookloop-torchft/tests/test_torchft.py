@@ -7,7 +7,6 @@ read), both reach the requested number of updates with bitwise-equal parameters.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,12 +18,6 @@ import torch
 HERE = Path(__file__).resolve().parent
 STEPS = 200  # at 0.1 s an update: group 0 still trains when group 1 is back (its start takes seconds)
 PATIENCE_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def lines(file: Path) -> list[dict]:
@@ -52,12 +45,12 @@ def wait_for(condition, what, processes, timeout=PATIENCE_S):
 
 @pytest.mark.slow
 def test_a_replica_group_killed_and_restarted_recovers_from_its_peer_while_the_other_trains_on(tmp_path):
-    port = free_port()
-    lighthouse = subprocess.Popen([str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1",
-                                   "--quorum_tick_ms", "50", "--join_timeout_ms", "2000",
-                                   "--heartbeat_timeout_ms", "1500", "--bind", f"[::]:{port}"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    address = f"http://localhost:{port}"
+    from torchft.coordination import LighthouseServer
+
+    # the lighthouse, in this process (``torchft_lighthouse`` is the same server as a command)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, quorum_tick_ms=50, join_timeout_ms=2000,
+                                  heartbeat_timeout_ms=1500)
+    address = lighthouse.address()
     a_out, b_out = tmp_path / "group0", tmp_path / "group1"
     processes = []
     try:
@@ -72,14 +65,16 @@ def test_a_replica_group_killed_and_restarted_recovers_from_its_peer_while_the_o
         killed_step = max(r["global_step"] for r in lines(b_out / "records.jsonl"))
         time.sleep(5)
         during = [r for r in lines(a_out / "records.jsonl") if r["time"] > killed_at]
+        restarted_at = time.time()
         b2 = group(b_out, 1, address, "second.log")
         processes = [a, b2]
         assert a.wait(timeout=PATIENCE_S) == 0, (a_out / "first.log").read_text()[-3000:]
         assert b2.wait(timeout=PATIENCE_S) == 0, (b_out / "second.log").read_text()[-3000:]
     finally:
-        for p in processes + [lighthouse]:
+        for p in processes:
             if p.poll() is None:
                 p.kill()
+        lighthouse.shutdown()
     # group 0 trained on alone while group 1 was down: updates committed with one group
     committed_alone = [r["global_step"] for r in during if r["participants"] == 1]
     assert len(committed_alone) >= 10 and committed_alone == sorted(set(committed_alone)), during
@@ -92,6 +87,10 @@ def test_a_replica_group_killed_and_restarted_recovers_from_its_peer_while_the_o
     assert not list(tmp_path.rglob("hookloop.json"))  # no checkpoint anywhere: healed from the peer
     pa, pb = (torch.load(o / "params.pt", weights_only=True) for o in (a_out, b_out))
     assert [k for k in pa if not torch.equal(pa[k], pb[k])] == []
-    print(json.dumps({"group0_discarded": run_a["discarded"], "group0_seconds": run_a["seconds"],
-                      "group1_resumed_at": second[0]["global_step"], "killed_at_step": killed_step,
-                      "committed_alone": len(committed_alone)}))
+    times = [r["time"] for r in lines(a_out / "records.jsonl")]
+    pauses = [b - a for a, b in zip(times, times[1:])]
+    print(json.dumps({"group0_discarded": run_a["discarded"], "group0_seconds": round(run_a["seconds"], 2),
+                      "group0_longest_pause_s": round(max(pauses), 3), "group0_median_update_s":
+                      round(sorted(pauses)[len(pauses) // 2], 3), "killed_at_step": killed_step,
+                      "committed_alone": len(committed_alone), "group1_healed_at": second[0]["global_step"],
+                      "group1_start_to_first_update_s": round(second[0]["time"] - restarted_at, 2)}))
