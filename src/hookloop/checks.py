@@ -121,7 +121,9 @@ def launch(accelerator: Any) -> None:
     ``ACCELERATE_USE_DEEPSPEED``, or ``accelerate launch --use_fsdp`` /
     ``--use_deepspeed``) but not taken (Accelerate keeps the distributed
     type it had, e.g. ``MULTI_CPU`` DDP on a CPU); ``mixed_precision="fp16"``
-    on a CPU, which trains in fp32."""
+    on a CPU, which trains in fp32; ``torchrun --max-restarts`` with torch
+    2.13 without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see
+    :func:`_elastic_store`)."""
     launched: dict[str, int] = {}
     for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         try:
@@ -168,6 +170,38 @@ def launch(accelerator: Any) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+    _elastic_store()
+
+
+#: torch releases whose TorchElastic agents publish the store they share with the workers for
+#: the first rendezvous round only: a restarted or re-formed group cannot connect
+#: (measured with 2.13.0 here: every restart under --max-restarts failed in gloo's
+#: connectFullMesh, "Connection refused"; a joining node waited out the rendezvous)
+RDZV_STORE_BUG = ("2.13.",)
+
+
+def _elastic_store() -> None:
+    """Warn at a TorchElastic job's first start when its restarts would fail."""
+    import torch
+
+    env = os.environ
+    try:
+        restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return
+    if (not env.get("TORCHELASTIC_RUN_ID") or restarts < 1 or env.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+            or env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1"
+            or not torch.__version__.startswith(RDZV_STORE_BUG)):
+        return
+    warnings.warn(
+        f"hookloop: torchrun --max-restarts={restarts} with torch {torch.__version__}: its agents "
+        "share the rendezvous store with the workers for the first round only, so a restarted "
+        "group (after a failure, or when a node joins or leaves) cannot connect. Start torchrun "
+        "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (a store of the workers' "
+        "own each round); see docs/distributed.md",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def _name(distributed_type: Any) -> str:

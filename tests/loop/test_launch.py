@@ -128,3 +128,29 @@ def test_an_fsdp_plugin_run_as_ddp_on_cpu_warns_once_per_job(two_machines):
     fsdp = [[w for w in r["warnings"] if "FSDP" in w] for r in results]
     assert len(fsdp[0]) == 1 and fsdp[1] == [], results
     assert "plain DDP (MULTI_CPU" in fsdp[0][0]
+
+
+def elastic_warnings(caught):
+    return [str(w.message) for w in caught if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in str(w.message)]
+
+
+@pytest.mark.parametrize("case", ["first start", "variable set", "a restart", "no restarts", "torch 2.12"])
+def test_torchrun_restarts_on_torch_2_13_without_the_store_variable_warn_at_the_first_start(monkeypatch, case):
+    # (tests/loop/test_torchelastic.py: without the variable every restart failed to connect)
+    monkeypatch.setattr(torch, "__version__", "2.12.1+cpu" if case == "torch 2.12" else "2.13.0+cpu")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0" if case == "no restarts" else "3")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1" if case == "a restart" else "0")
+    if case == "variable set":
+        monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    else:
+        monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tiny_loop()
+    said = elastic_warnings(caught)
+    if case == "first start":
+        assert len(said) == 1 and "torchrun --max-restarts=3 with torch 2.13.0+cpu" in said[0]
+        assert "a restarted group (after a failure, or when a node joins or leaves) cannot connect" in said[0]
+    else:
+        assert said == []

@@ -33,6 +33,7 @@ import json
 import os
 import signal
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -98,6 +99,7 @@ class Recorder:
                     "epoch": state.epoch, "step_in_epoch": state.step_in_epoch,
                     "global_step": state.global_step, "micro_step": state.micro_step,
                     "indices": indices, "lr": optimizer.param_groups[0]["lr"],
+                    "time": time.time(),  # (benchmarks/failure_cost.py: when each update ended)
                 }) + "\n")
                 f.flush()
                 os.fsync(f.fileno())

@@ -5,8 +5,9 @@ test_torchft.py:
         python ft_run.py OUT --max-steps N [--step-sleep S]
 
 256 examples, each group its share (``replica_share``) in batches of 8, an MLP,
-Adam, a schedule. OUT/records.jsonl: one line per batch (the update, the groups
-taking part, the updates discarded so far, the time); OUT/params.pt and
+Adam, a schedule. OUT/records.jsonl: one line per batch (the update, the position
+in the epoch and the examples of the batch, the groups taking part, the updates
+discarded so far, the time); OUT/params.pt and
 OUT/run.json at the end. No ``Checkpoint``: a recovering group can only heal
 from its peer.
 """
@@ -26,14 +27,17 @@ from hookloop import Loop, hookimpl
 
 
 class Record:
-    def __init__(self, file: Path, sleep: float):
-        self.file, self.sleep = file, sleep
+    def __init__(self, file: Path, sleep: float, inputs: torch.Tensor):
+        self.file, self.sleep, self.inputs = file, sleep, inputs
 
     @hookimpl
-    def after_step(self, loop):
+    def after_step(self, loop, batch):
         ft = loop.plugins.get("fault-tolerant")
+        indices = [int((self.inputs == row).all(1).nonzero()[0]) for row in batch[0]]  # which examples
         with open(self.file, "a") as f:
             f.write(json.dumps({"global_step": loop.state.global_step, "micro_step": loop.state.micro_step,
+                                "epoch": loop.state.epoch, "step_in_epoch": loop.state.step_in_epoch,
+                                "indices": indices,
                                 "participants": ft.manager.num_participants(),
                                 "discarded": loop.discarded_updates, "time": time.time()}) + "\n")
         time.sleep(self.sleep)
@@ -58,7 +62,7 @@ def main():
 
     loop = Loop(model=model, optimizer=optimizer, scheduler=scheduler, train_data=data,
                 plugins=[hookloop_torchft.FaultTolerant(timeout=timedelta(seconds=10)),
-                         Record(args.out / "records.jsonl", args.step_sleep)],
+                         Record(args.out / "records.jsonl", args.step_sleep, dataset.tensors[0])],
                 accelerator=Accelerator(cpu=True), block=["progress"])
     started = time.time()
     loop.fit(max_steps=args.max_steps)

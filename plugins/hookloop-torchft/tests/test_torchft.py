@@ -34,6 +34,19 @@ def group(out: Path, gid: int, lighthouse: str, log_name: str) -> subprocess.Pop
                             stderr=subprocess.STDOUT)
 
 
+def share(gid: int, epoch: int) -> list[list[int]]:
+    """The batches of replica group ``gid``'s share of ft_run.py's 256 examples in ``epoch``."""
+    from torch.utils.data import TensorDataset
+
+    import hookloop_torchft
+
+    sampler = hookloop_torchft.replica_share(TensorDataset(torch.zeros(256)), replica_group=gid,
+                                             num_replica_groups=2)
+    sampler.set_epoch(epoch)
+    order = list(sampler)
+    return [order[i:i + 8] for i in range(0, len(order), 8)]
+
+
 def wait_for(condition, what, processes, timeout=PATIENCE_S):
     deadline = time.monotonic() + timeout
     while not condition():
@@ -85,6 +98,12 @@ def test_a_replica_group_killed_and_restarted_recovers_from_its_peer_while_the_o
     second = [r for r in lines(b_out / "records.jsonl") if r["time"] > killed_at + 5]
     assert second[0]["global_step"] > killed_step and second[0]["participants"] == 2
     assert not list(tmp_path.rglob("hookloop.json"))  # no checkpoint anywhere: healed from the peer
+    # every batch of each group is its share's, at its position: group 1 rejoined at group 0's
+    for gid, out in ((0, a_out), (1, b_out)):
+        for r in lines(out / "records.jsonl"):
+            assert r["indices"] == share(gid, r["epoch"])[r["step_in_epoch"] - 1], (gid, r)
+    position = {r["global_step"]: (r["epoch"], r["step_in_epoch"]) for r in lines(a_out / "records.jsonl")}
+    assert all(position[r["global_step"]] == (r["epoch"], r["step_in_epoch"]) for r in second)
     pa, pb = (torch.load(o / "params.pt", weights_only=True) for o in (a_out, b_out))
     assert [k for k in pa if not torch.equal(pa[k], pb[k])] == []
     times = [r["time"] for r in lines(a_out / "records.jsonl")]
