@@ -2,7 +2,11 @@
 test_torchft.py:
 
     TORCHFT_LIGHTHOUSE=... REPLICA_GROUP_ID=G NUM_REPLICA_GROUPS=2 \\
-        python ft_run.py OUT --max-steps N [--step-sleep S]
+        python ft_run.py OUT --max-steps N [--step-sleep S] [--kill-at K]
+
+or, for a group of several processes, ``torchrun [--max-restarts=1] ...
+ft_run.py ...`` (``--kill-at K``: its rank 1 SIGKILLs itself after update K,
+once).
 
 256 examples, each group its share (``replica_share``) in batches of 8, an MLP,
 Adam, a schedule. OUT/records.jsonl: one line per batch (the update, the position
@@ -14,6 +18,8 @@ from its peer.
 
 import argparse
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -27,8 +33,8 @@ from hookloop import Loop, hookimpl
 
 
 class Record:
-    def __init__(self, file: Path, sleep: float, inputs: torch.Tensor):
-        self.file, self.sleep, self.inputs = file, sleep, inputs
+    def __init__(self, file: Path, sleep: float, inputs: torch.Tensor, kill_at: int | None):
+        self.file, self.sleep, self.inputs, self.kill_at = file, sleep, inputs, kill_at
 
     @hookimpl
     def after_step(self, loop, batch):
@@ -39,7 +45,12 @@ class Record:
                                 "epoch": loop.state.epoch, "step_in_epoch": loop.state.step_in_epoch,
                                 "indices": indices,
                                 "participants": ft.manager.num_participants(),
-                                "discarded": loop.discarded_updates, "time": time.time()}) + "\n")
+                                "discarded": loop.discarded_updates, "time": time.time(),
+                                "rank": loop.accelerator.process_index}) + "\n")
+        marker = self.file.parent / "killed"
+        if loop.accelerator.process_index == 1 and loop.state.global_step == self.kill_at and not marker.exists():
+            marker.write_text(str(self.kill_at))
+            os.kill(os.getpid(), signal.SIGKILL)  # (under torchrun --max-restarts: the group restarts)
         time.sleep(self.sleep)
 
 
@@ -48,6 +59,7 @@ def main():
     parser.add_argument("out", type=Path)
     parser.add_argument("--max-steps", type=int, default=30)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--kill-at", type=int, default=None, help="rank 1 SIGKILLs itself after this update, once")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
@@ -62,10 +74,13 @@ def main():
 
     loop = Loop(model=model, optimizer=optimizer, scheduler=scheduler, train_data=data,
                 plugins=[hookloop_torchft.FaultTolerant(timeout=timedelta(seconds=10)),
-                         Record(args.out / "records.jsonl", args.step_sleep, dataset.tensors[0])],
+                         Record(args.out / "records.jsonl", args.step_sleep, dataset.tensors[0], args.kill_at)],
                 accelerator=Accelerator(cpu=True), block=["progress"])
     started = time.time()
     loop.fit(max_steps=args.max_steps)
+    if not loop.accelerator.is_main_process:
+        loop.close()
+        return
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out / "params.pt")
     (args.out / "run.json").write_text(json.dumps({
         "global_step": loop.state.global_step, "discarded": loop.discarded_updates,

@@ -1,8 +1,13 @@
-"""hookloop-torchft on this machine: a lighthouse and two replica groups of one
-CPU process each (gloo). Replica group 1 is SIGKILLed at about update 10 and
-started again 5 s later: group 0 keeps committing updates while group 1 is down
-(no stop, no restart), group 1 recovers from its peer (it has no checkpoint to
-read), both reach the requested number of updates with bitwise-equal parameters."""
+"""hookloop-torchft on this machine: a lighthouse and two replica groups (gloo, CPU).
+
+- Groups of one process: group 1 is SIGKILLed at about update 10 and started
+  again 5 s later: group 0 keeps committing updates while group 1 is down (no
+  stop, no restart), group 1 recovers from its peer (it has no checkpoint to
+  read), both reach the requested number of updates with bitwise-equal
+  parameters, every batch the group's share at the healthy group's position.
+- Groups of two processes, each under ``torchrun --max-restarts=1``: a rank of
+  group 1 dies, its torchrun restarts the group, which heals from group 0
+  while group 0 trains on alone."""
 
 import json
 import os
@@ -24,14 +29,24 @@ def lines(file: Path) -> list[dict]:
     return [json.loads(line) for line in file.read_text().splitlines()] if file.exists() else []
 
 
-def group(out: Path, gid: int, lighthouse: str, log_name: str) -> subprocess.Popen:
+def group(out: Path, gid: int, lighthouse: str, log_name: str, *, steps: int = STEPS, launcher=(),
+          args=()) -> subprocess.Popen:
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     env.update(TORCHFT_LIGHTHOUSE=lighthouse, REPLICA_GROUP_ID=str(gid), NUM_REPLICA_GROUPS="2",
-               OMP_NUM_THREADS="1", HOOKLOOP_DISABLE_PLUGIN_AUTOLOAD="1")
-    return subprocess.Popen([sys.executable, str(HERE / "ft_run.py"), str(out), "--max-steps", str(STEPS),
-                             "--step-sleep", "0.1"], env=env, stdout=open(out / log_name, "w"),
+               OMP_NUM_THREADS="1", HOOKLOOP_DISABLE_PLUGIN_AUTOLOAD="1",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # (torch 2.13's restarts: docs/distributed.md)
+    return subprocess.Popen([sys.executable, *launcher, str(HERE / "ft_run.py"), str(out), "--max-steps", str(steps),
+                             "--step-sleep", "0.1", *args], env=env, stdout=open(out / log_name, "w"),
                             stderr=subprocess.STDOUT)
+
+
+def lighthouse_server():
+    from torchft.coordination import LighthouseServer
+
+    # the lighthouse, in this process (``torchft_lighthouse`` is the same server as a command)
+    return LighthouseServer(bind="[::]:0", min_replicas=1, quorum_tick_ms=50, join_timeout_ms=2000,
+                            heartbeat_timeout_ms=1500)
 
 
 def share(gid: int, epoch: int) -> list[list[int]]:
@@ -58,11 +73,7 @@ def wait_for(condition, what, processes, timeout=PATIENCE_S):
 
 @pytest.mark.slow
 def test_a_replica_group_killed_and_restarted_recovers_from_its_peer_while_the_other_trains_on(tmp_path):
-    from torchft.coordination import LighthouseServer
-
-    # the lighthouse, in this process (``torchft_lighthouse`` is the same server as a command)
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, quorum_tick_ms=50, join_timeout_ms=2000,
-                                  heartbeat_timeout_ms=1500)
+    lighthouse = lighthouse_server()
     address = lighthouse.address()
     a_out, b_out = tmp_path / "group0", tmp_path / "group1"
     processes = []
@@ -113,3 +124,37 @@ def test_a_replica_group_killed_and_restarted_recovers_from_its_peer_while_the_o
                       round(sorted(pauses)[len(pauses) // 2], 3), "killed_at_step": killed_step,
                       "committed_alone": len(committed_alone), "group1_healed_at": second[0]["global_step"],
                       "group1_start_to_first_update_s": round(second[0]["time"] - restarted_at, 2)}))
+
+
+@pytest.mark.slow
+def test_a_group_of_two_processes_restarted_by_torchrun_heals_from_the_other_group(tmp_path):
+    steps = 60
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1")
+    lighthouse = lighthouse_server()
+    a_out, b_out = tmp_path / "group0", tmp_path / "group1"
+    processes = []
+    try:
+        a = group(a_out, 0, lighthouse.address(), "agent.log", steps=steps, launcher=torchrun)
+        b = group(b_out, 1, lighthouse.address(), "agent.log", steps=steps, launcher=torchrun, args=("--kill-at", "10"))
+        processes = [a, b]
+        assert a.wait(timeout=PATIENCE_S) == 0, (a_out / "agent.log").read_text()[-3000:]
+        assert b.wait(timeout=PATIENCE_S) == 0, (b_out / "agent.log").read_text()[-3000:]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+        lighthouse.shutdown()
+    assert (b_out / "killed").read_text() == "10"
+    after = [r["global_step"] for r in lines(b_out / "records.jsonl") if r["global_step"] > 10]  # restarted
+    alone = sorted({r["global_step"] for r in lines(a_out / "records.jsonl")
+                    if r["participants"] == 1 and r["global_step"] > 10})
+    assert alone and alone[0] <= 12  # group 0 trained on at once, alone
+    assert after and min(after) - 1 in alone  # group 1 healed from group 0's update, not from 0
+    for gid, out in ((0, a_out), (1, b_out)):
+        rows = lines(out / "records.jsonl")
+        assert {r["rank"] for r in rows} == {0, 1} and max(r["global_step"] for r in rows) == steps
+        for r in rows:  # rank r trains batch r of each pair of its group's share (Accelerate's split)
+            batches = share(gid, r["epoch"])
+            assert r["indices"] == batches[2 * (r["step_in_epoch"] - 1) + r["rank"]], (gid, r)
+    pa, pb = (torch.load(o / "params.pt", weights_only=True) for o in (a_out, b_out))
+    assert [k for k in pa if not torch.equal(pa[k], pb[k])] == []
