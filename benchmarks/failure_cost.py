@@ -64,7 +64,8 @@ def lost(records: list[dict], kill_at: int) -> tuple[int, float]:
     first = {}
     for r in records:
         first.setdefault(r["global_step"], r["time"])
-    gaps = sorted(b - a for a, b in zip([first[s] for s in sorted(first)], [first[s] for s in sorted(first)][1:]))
+    times = [first[s] for s in sorted(first)]
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
     median = gaps[len(gaps) // 2]
     return redone, first[kill_at + 1] - first[kill_at] - median
 

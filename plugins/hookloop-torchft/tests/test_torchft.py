@@ -9,6 +9,7 @@
   group 1 dies, its torchrun restarts the group, which heals from group 0
   while group 0 trains on alone."""
 
+import contextlib
 import json
 import os
 import signal
@@ -41,12 +42,31 @@ def group(out: Path, gid: int, lighthouse: str, log_name: str, *, steps: int = S
                             stderr=subprocess.STDOUT)
 
 
-def lighthouse_server():
+@contextlib.contextmanager
+def lighthouse_and_groups():
+    """A lighthouse in this process (``torchft_lighthouse`` is the same server as a
+    command) and the list of group processes the test starts, each killed at the end."""
     from torchft.coordination import LighthouseServer
 
-    # the lighthouse, in this process (``torchft_lighthouse`` is the same server as a command)
-    return LighthouseServer(bind="[::]:0", min_replicas=1, quorum_tick_ms=50, join_timeout_ms=2000,
-                            heartbeat_timeout_ms=1500)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, quorum_tick_ms=50, join_timeout_ms=2000,
+                                  heartbeat_timeout_ms=1500)
+    processes: list[subprocess.Popen] = []
+    try:
+        yield lighthouse.address(), processes
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+        lighthouse.shutdown()
+
+
+def finish(process: subprocess.Popen, log: Path) -> None:
+    assert process.wait(timeout=PATIENCE_S) == 0, log.read_text()[-3000:]
+
+
+def bitwise_equal_parameters(a_out: Path, b_out: Path) -> bool:
+    pa, pb = (torch.load(o / "params.pt", weights_only=True) for o in (a_out, b_out))
+    return pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
 
 
 def share(gid: int, epoch: int) -> list[list[int]]:
@@ -73,14 +93,11 @@ def wait_for(condition, what, processes, timeout=PATIENCE_S):
 
 @pytest.mark.slow
 def test_a_replica_group_killed_and_restarted_recovers_from_its_peer_while_the_other_trains_on(tmp_path):
-    lighthouse = lighthouse_server()
-    address = lighthouse.address()
     a_out, b_out = tmp_path / "group0", tmp_path / "group1"
-    processes = []
-    try:
+    with lighthouse_and_groups() as (address, processes):
         a = group(a_out, 0, address, "first.log")
         b = group(b_out, 1, address, "first.log")
-        processes = [a, b]
+        processes += [a, b]
         wait_for(lambda: any(r["global_step"] >= 10 and r["participants"] == 2 for r in lines(b_out / "records.jsonl")),
                  "update 10 of both groups", processes)
         b.send_signal(signal.SIGKILL)
@@ -91,14 +108,9 @@ def test_a_replica_group_killed_and_restarted_recovers_from_its_peer_while_the_o
         during = [r for r in lines(a_out / "records.jsonl") if r["time"] > killed_at]
         restarted_at = time.time()
         b2 = group(b_out, 1, address, "second.log")
-        processes = [a, b2]
-        assert a.wait(timeout=PATIENCE_S) == 0, (a_out / "first.log").read_text()[-3000:]
-        assert b2.wait(timeout=PATIENCE_S) == 0, (b_out / "second.log").read_text()[-3000:]
-    finally:
-        for p in processes:
-            if p.poll() is None:
-                p.kill()
-        lighthouse.shutdown()
+        processes.append(b2)
+        finish(a, a_out / "first.log")
+        finish(b2, b_out / "second.log")
     # group 0 trained on alone while group 1 was down: updates committed with one group
     committed_alone = [r["global_step"] for r in during if r["participants"] == 1]
     assert len(committed_alone) >= 10 and committed_alone == sorted(set(committed_alone)), during
@@ -115,8 +127,7 @@ def test_a_replica_group_killed_and_restarted_recovers_from_its_peer_while_the_o
             assert r["indices"] == share(gid, r["epoch"])[r["step_in_epoch"] - 1], (gid, r)
     position = {r["global_step"]: (r["epoch"], r["step_in_epoch"]) for r in lines(a_out / "records.jsonl")}
     assert all(position[r["global_step"]] == (r["epoch"], r["step_in_epoch"]) for r in second)
-    pa, pb = (torch.load(o / "params.pt", weights_only=True) for o in (a_out, b_out))
-    assert [k for k in pa if not torch.equal(pa[k], pb[k])] == []
+    assert bitwise_equal_parameters(a_out, b_out)
     times = [r["time"] for r in lines(a_out / "records.jsonl")]
     pauses = [b - a for a, b in zip(times, times[1:])]
     print(json.dumps({"group0_discarded": run_a["discarded"], "group0_seconds": round(run_a["seconds"], 2),
@@ -130,20 +141,12 @@ def test_a_replica_group_killed_and_restarted_recovers_from_its_peer_while_the_o
 def test_a_group_of_two_processes_restarted_by_torchrun_heals_from_the_other_group(tmp_path):
     steps = 60
     torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1")
-    lighthouse = lighthouse_server()
     a_out, b_out = tmp_path / "group0", tmp_path / "group1"
-    processes = []
-    try:
-        a = group(a_out, 0, lighthouse.address(), "agent.log", steps=steps, launcher=torchrun)
-        b = group(b_out, 1, lighthouse.address(), "agent.log", steps=steps, launcher=torchrun, args=("--kill-at", "10"))
-        processes = [a, b]
-        assert a.wait(timeout=PATIENCE_S) == 0, (a_out / "agent.log").read_text()[-3000:]
-        assert b.wait(timeout=PATIENCE_S) == 0, (b_out / "agent.log").read_text()[-3000:]
-    finally:
-        for p in processes:
-            if p.poll() is None:
-                p.kill()
-        lighthouse.shutdown()
+    with lighthouse_and_groups() as (address, processes):
+        processes += [group(a_out, 0, address, "agent.log", steps=steps, launcher=torchrun),
+                      group(b_out, 1, address, "agent.log", steps=steps, launcher=torchrun, args=("--kill-at", "10"))]
+        for p, out in zip(processes, (a_out, b_out)):
+            finish(p, out / "agent.log")
     assert (b_out / "killed").read_text() == "10"
     after = [r["global_step"] for r in lines(b_out / "records.jsonl") if r["global_step"] > 10]  # restarted
     alone = sorted({r["global_step"] for r in lines(a_out / "records.jsonl")
@@ -156,5 +159,4 @@ def test_a_group_of_two_processes_restarted_by_torchrun_heals_from_the_other_gro
         for r in rows:  # rank r trains batch r of each pair of its group's share (Accelerate's split)
             batches = share(gid, r["epoch"])
             assert r["indices"] == batches[2 * (r["step_in_epoch"] - 1) + r["rank"]], (gid, r)
-    pa, pb = (torch.load(o / "params.pt", weights_only=True) for o in (a_out, b_out))
-    assert [k for k in pa if not torch.equal(pa[k], pb[k])] == []
+    assert bitwise_equal_parameters(a_out, b_out)

@@ -47,7 +47,7 @@ class RayReport:
     - an epoch's end without a checkpoint: its metrics only.
 
     The metrics: ``global_step``, ``epoch``, the last evaluation's metrics
-    and the epoch's (``loop.log(..., on_epoch=True)`` values and the
+    (not the sanity check's) and the epoch's (``loop.log(..., on_epoch=True)`` values and the
     evaluation), floats. Every worker reports at the same points, the same
     number of times: the loop's saves and epoch ends happen on every
     process together (an asynchronous save's is reported where every
@@ -64,7 +64,8 @@ class RayReport:
 
     @hookimpl
     def on_eval_end(self, loop, metrics):
-        self.metrics.update(_floats(metrics))
+        if loop.state.stage != "sanity":  # (the sanity check's one batch is not an evaluation of the run)
+            self.metrics.update(_floats(metrics))
 
     @hookimpl
     def on_epoch_end(self, loop, metrics):

@@ -148,16 +148,21 @@ class FaultTolerant:
                 net.scheduler.load_state_dict(entry["scheduler"])
         self._healed_position = state["position"]
 
-    def _quorum(self) -> None:
-        if not self._quorum_open:
-            self.manager.start_quorum()  # (synchronous: a recovering group's state lands here)
-            self._quorum_open = True
-            if self._healed_position is not None:
-                position, self._healed_position = self._healed_position, None
-                state = self._loop.state
-                # mid-fit the data position is the peers' already (the groups draw in lockstep);
-                # the updates committed are theirs
-                state.global_step, state.micro_step = position["global_step"], position["micro_step"]
+    def _quorum(self, fit_start: bool = False) -> None:
+        """The update's quorum, once (synchronous: a recovering group's state lands here)."""
+        if self._quorum_open and not fit_start:
+            return
+        self.manager.start_quorum()
+        self._quorum_open = True
+        position, self._healed_position = self._healed_position, None
+        if position is None:
+            return
+        state = self._loop.state
+        if fit_start:  # before the first batch: the epoch then continues at the peers' batch
+            state.load_state_dict(position)
+        else:  # mid-fit the data position is the peers' already (the groups draw in lockstep);
+            # the updates committed are theirs
+            state.global_step, state.micro_step = position["global_step"], position["micro_step"]
 
     # -- hooks ----------------------------------------------------------------------
 
@@ -165,11 +170,7 @@ class FaultTolerant:
     def on_fit_start(self, loop):
         if self.manager is None:
             self._start(loop)
-        self.manager.start_quorum()  # the first update's: a recovering group heals before its first batch
-        self._quorum_open = True
-        if self._healed_position is not None:
-            position, self._healed_position = self._healed_position, None
-            loop.state.load_state_dict(position)  # (the epoch then continues at the peers' batch)
+        self._quorum(fit_start=True)  # the first update's: a recovering group heals before its first batch
 
     @hookimpl
     def before_step(self, loop):
