@@ -499,8 +499,13 @@ def before_backward(loop: LoopLike, network: Network, loss: Tensor) -> None:
 
 @hookspec
 def after_backward(loop: LoopLike, network: Network) -> None:
-    """Called after ``accelerator.backward(loss)`` for ``network``: its
-    gradients are in ``.grad``.
+    """Called once per batch for every network that is updated, when its
+    gradients are in ``.grad``: right after ``accelerator.backward(loss)``
+    for the network whose loss it was (the kit's ``loss_and_backward``), and,
+    for a network whose gradients another network's loss filled (an encoder
+    under its decoder's loss, one backward for both) or the kit's bare
+    ``backward``, at the start of its ``update``, before ``commit_update``
+    and its optimizer step.
 
     The place for gradient clipping and inspection. Under gradient
     accumulation this runs on every micro-batch; gradients are complete (and
@@ -508,11 +513,13 @@ def after_backward(loop: LoopLike, network: Network) -> None:
     ``loop.accelerator.sync_gradients`` is true.
 
     :param loop: the :class:`~hookloop.Loop`.
-    :param network: the :class:`~hookloop.Network` that was back-propagated.
+    :param network: the :class:`~hookloop.Network` whose gradients are there.
 
     Return value ignored.
 
     .. versionadded:: 0.1
+    .. versionchanged:: 0.5
+       also for a network updated without a ``loss_and_backward`` of its own.
     """
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -69,6 +69,10 @@ class Network:
     scheduler_frequency: int = 1
     #: a metric of the epoch given to ``scheduler.step(value)`` (epoch interval)
     scheduler_monitor: str | None = None
+    #: set by :func:`~hookloop.strategy.loss_and_backward` once its
+    #: ``after_backward`` ran, cleared by :func:`~hookloop.strategy.update`,
+    #: which calls ``after_backward`` itself when it is not set
+    backward_hooked: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.unwrapped is None:

@@ -176,6 +176,7 @@ def loss_and_backward(loop, network, batch, outputs):
         _refused(exc, loop, network, batch, outputs, loss)
     if not quiet:
         hook.after_backward(loop=loop, network=network)
+    network.backward_hooked = True  # (its update does not call after_backward again)
     return loss
 
 
@@ -225,6 +226,7 @@ def plain_step(loop, network, batch, forward):
 _UPDATE_HOOKS = ("commit_update", "before_optimizer_step", "after_optimizer_step", "before_scheduler_step",
                  "after_scheduler_step", "before_zero_grad", "after_zero_grad")
 _BACKWARD_HOOKS = ("before_backward", "after_backward")
+_AFTER_BACKWARD = ("after_backward",)
 _STEP_HOOKS = _BACKWARD_HOOKS + _UPDATE_HOOKS
 
 
@@ -232,11 +234,24 @@ def update(loop, network):
     """Optimizer step, scheduler step and ``zero_grad`` for one network, each
     between its hooks, exactly as the hand-written Accelerate loop does them.
 
+    First, ``after_backward`` for the network if no :func:`loss_and_backward`
+    of its own called it since its last update: its gradients came from
+    another network's loss (an encoder under a decoder's loss, one backward
+    for both) or from :func:`backward`. So every network updated gets its
+    ``after_backward`` (clipping, gradient checks) once per batch, before its
+    optimizer step, whichever backward filled its gradients.
+
     The calls run on every batch: under gradient accumulation Accelerate makes
     them no-ops until gradients are synchronised, but its scheduler wrapper
     counts them, so skipping them would change the scheduler's state. The
     hooks fire only on synchronised steps, where something actually happens.
     """
+    if network.backward_hooked:
+        network.backward_hooked = False
+    elif not loop.hook.unimplemented(_AFTER_BACKWARD):
+        # its gradients came from a backward that was not its own loss_and_backward (one loss
+        # over two networks, the kit's bare backward): its after_backward is due before its update
+        loop.hook.after_backward(loop=loop, network=network)
     fast = loop.fastpath  # Accelerate's step() / zero_grad() without their per-call lookups
     optimizer, scheduler = network.optimizer, network.scheduler
     if scheduler is not None and (network.scheduler_interval != "step" or network.scheduler_frequency != 1):
