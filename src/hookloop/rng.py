@@ -59,13 +59,169 @@ def data_generators(data: Any) -> dict[str, torch.Generator]:
     return found
 
 
-def restore_generators(data: Any, states: Mapping[str, torch.Tensor]) -> None:
+def restore_generators(data: Any, states: Mapping[str, Any]) -> None:
     """Put back generator states (``{path: state}``, as :func:`capture_epoch`
-    takes them) into ``data``'s generators of the same paths."""
+    takes them) into ``data``'s generators of the same paths, and the states
+    of its own samplers (``"sampler:<role>"`` entries, :func:`sampler_states`)."""
     current = data_generators(data)
     for path, state in states.items():
         if path in current:  # one created lazily later (seedable sampler) is reseeded anyway
             current[path].set_state(state)
+    restore_sampler_states(data, states)
+
+
+# -- samplers of the user's own: their random generators, their Stateful state --------------
+
+#: where the samplers hookloop knows come from: torch's, Accelerate's (its
+#: shards, its seedable sampler) and torchdata's (made for its
+#: StatefulDataLoader, whose state holds their position): their order comes
+#: from the generators :func:`data_generators` finds, or from ``set_epoch``
+_KNOWN_SAMPLER_MODULES = ("torch.", "accelerate.", "torchdata.")
+#: what a sampler's entry is called among the data's random states
+SAMPLER_PREFIX = "sampler:"
+#: indices compared when checking that a sampler's state is restorable
+_CHECKED_INDICES = 4096
+
+
+def own_samplers(data: Any) -> dict[str, Any]:
+    """The (batch) samplers of ``data`` written by the user, not torch,
+    Accelerate or torchdata, by role: ``"sampler"`` (the innermost one,
+    which draws the indices), ``"batch_sampler"`` (one that groups them,
+    ``"batch_sampler.1"`` ... further out). Accelerate's wrappers are not
+    counted, so a role names the same sampler on any number of processes."""
+    chain = []
+    obj = data
+    for _ in range(8):
+        inner = next((v for v in (getattr(obj, "batch_sampler", None), getattr(obj, "sampler", None))
+                      if v is not None), None)
+        if inner is None or inner is obj:
+            break
+        chain.append(inner)
+        obj = inner
+    found: dict[str, Any] = {}
+    for depth, sampler in enumerate(reversed(chain)):  # innermost first
+        if type(sampler).__module__.startswith(_KNOWN_SAMPLER_MODULES):
+            continue
+        role = "sampler" if depth == 0 else "batch_sampler"
+        while role in found:
+            role = f"batch_sampler.{len(found)}"
+        found[role] = sampler
+    return found
+
+
+def _rng_attributes(sampler: Any) -> dict[str, Any]:
+    """The random generators among ``sampler``'s attributes, by name:
+    ``torch.Generator``, numpy's ``Generator`` and ``RandomState``,
+    ``random.Random``."""
+    return {name: value for name, value in vars(sampler).items()
+            if isinstance(value, (torch.Generator, np.random.Generator, np.random.RandomState,
+                                  random.Random))} if hasattr(sampler, "__dict__") else {}
+
+
+def _rng_state(gen: Any) -> Any:
+    if isinstance(gen, torch.Generator):
+        return gen.get_state()
+    if isinstance(gen, np.random.Generator):
+        return gen.bit_generator.state
+    if isinstance(gen, np.random.RandomState):
+        return gen.get_state(legacy=False)
+    return gen.getstate()
+
+
+def _set_rng_state(gen: Any, state: Any) -> None:
+    if isinstance(gen, torch.Generator):
+        gen.set_state(state)
+    elif isinstance(gen, np.random.Generator):
+        gen.bit_generator.state = state
+    elif isinstance(gen, np.random.RandomState):
+        gen.set_state(state)
+    else:
+        gen.setstate(state)
+
+
+def _is_stateful(sampler: Any) -> bool:
+    """torchdata's ``Stateful`` protocol: ``state_dict()`` and ``load_state_dict(state)``."""
+    return callable(getattr(sampler, "state_dict", None)) and callable(getattr(sampler, "load_state_dict", None))
+
+
+def _sampler_state(sampler: Any) -> dict[str, Any]:
+    state: dict[str, Any] = {"rngs": {n: _rng_state(g) for n, g in _rng_attributes(sampler).items()}}
+    if _is_stateful(sampler):
+        state["state_dict"] = sampler.state_dict()
+    return state
+
+
+def _load_sampler_state(sampler: Any, state: Mapping[str, Any]) -> None:
+    gens = _rng_attributes(sampler)
+    for name, rng_state in state.get("rngs", {}).items():
+        if name in gens:
+            _set_rng_state(gens[name], rng_state)
+    if "state_dict" in state and _is_stateful(sampler):
+        sampler.load_state_dict(state["state_dict"])
+
+
+def sampler_states(data: Any) -> dict[str, Any]:
+    """What the user's own samplers of ``data`` (:func:`own_samplers`) keep,
+    by ``"sampler:<role>"``: their random generators (attributes of any
+    name) and, for torchdata's ``Stateful`` protocol, ``state_dict()``.
+    Taken when an epoch's iterator is about to start and at a save;
+    :func:`restore_generators` puts them back."""
+    return {SAMPLER_PREFIX + role: _sampler_state(s) for role, s in own_samplers(data).items()}
+
+
+def restore_sampler_states(data: Any, states: Mapping[str, Any]) -> None:
+    """Put back what :func:`sampler_states` took: the generators first,
+    then ``load_state_dict``."""
+    samplers = own_samplers(data)
+    for key, state in states.items():
+        if key.startswith(SAMPLER_PREFIX) and key[len(SAMPLER_PREFIX):] in samplers:
+            _load_sampler_state(samplers[key[len(SAMPLER_PREFIX):]], state)
+
+
+def unrestorable_samplers(data: Any) -> dict[str, str]:
+    """The user's own samplers of ``data`` whose order hookloop cannot
+    restore, with why. On a copy of each, brought to the end of a pass (where
+    an epoch's state is taken): a pass drawn, what :func:`sampler_states`
+    takes put back, a pass drawn again; if the two differ, it keeps state
+    hookloop does not see (a counter, a generator inside another object ...).
+    One that cannot be copied cannot be checked. The global random states
+    are as before; the sampler itself is not touched."""
+    import copy
+
+    out: dict[str, str] = {}
+    dataset = getattr(data, "dataset", None)
+    for role, sampler in own_samplers(data).items():
+        name = f"{type(sampler).__qualname__} ({role})"
+        try:  # (the dataset it may hold is shared, not copied)
+            twin = copy.deepcopy(sampler, {id(dataset): dataset} if dataset is not None else None)
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            out[name] = f"it cannot be copied to be checked ({type(exc).__name__}: {exc})"
+            continue
+        with keep_rng():
+            try:  # to the end of its pass: where an epoch's state is taken
+                length = len(twin)
+            except TypeError:
+                length = _CHECKED_INDICES
+            for _ in itertools.islice(iter(twin), length):
+                pass
+            saved, before = _sampler_state(twin), capture_rng()
+            first = _indices(twin)
+            restore_rng(before)
+            _load_sampler_state(twin, saved)
+            again = _indices(twin)
+        if first != again:
+            out[name] = ("a pass started from what hookloop saves of it (its random generators"
+                         + (" and state_dict()" if _is_stateful(twin) else "")
+                         + ") draws other indices than the pass before: it keeps state hookloop "
+                         "does not see")
+    return out
+
+
+def _indices(sampler: Any) -> list[Any]:
+    def plain(x: Any) -> Any:
+        return x.tolist() if hasattr(x, "tolist") else (list(map(plain, x)) if isinstance(x, (list, tuple)) else x)
+
+    return [plain(i) for i in itertools.islice(iter(sampler), _CHECKED_INDICES)]
 
 
 @contextlib.contextmanager
@@ -85,11 +241,13 @@ def keep_rng(*loaders: Any) -> Iterator[None]:
 
 
 def capture_epoch(data: Any) -> dict[str, Any]:
-    """What an epoch's iterator starts from: the global RNG and the data
-    generators, taken just before the iterator is created."""
+    """What an epoch's iterator starts from: the global RNG, the data
+    generators and the states of the user's own samplers
+    (:func:`sampler_states`), taken just before the iterator is created."""
     return {
         "rng": capture_rng(),
-        "generators": {p: g.get_state() for p, g in data_generators(data).items()},
+        "generators": {**{p: g.get_state() for p, g in data_generators(data).items()},
+                       **sampler_states(data)},
     }
 
 
@@ -231,15 +389,16 @@ def shuffle_state(epoch_start: Mapping[str, Any],
     return state
 
 
-def translate_generators(states: Mapping[str, torch.Tensor], roles: Mapping[str, str | None],
-                         data: Any) -> dict[str, torch.Tensor]:
+def translate_generators(states: Mapping[str, Any], roles: Mapping[str, str | None],
+                         data: Any) -> dict[str, Any]:
     """Generator states (``{path: state}``) saved from a loader whose
     generators had ``roles``, under the paths of ``data``'s generators of
     the same roles (the loader's own, the sampler's): another number of
     processes names them differently (Accelerate's ``synchronized_generator``
-    is the sampler's). States without a counterpart are dropped."""
+    is the sampler's). States without a counterpart are dropped; those of
+    the user's own samplers (named by role already) are kept."""
     now = generator_roles(data)
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {k: v for k, v in states.items() if k.startswith(SAMPLER_PREFIX)}
     for role in ("loader", "sampler"):
         saved, here = roles.get(role), now.get(role)
         if (saved is not None and saved != "global" and here is not None and here != "global"
@@ -348,16 +507,20 @@ def first_or_none(batches: Iterable[Any], none_if_empty: bool = True) -> Iterato
 
 
 def _skip(accelerator: Any, data: Any, skip: int) -> Iterable[Any]:
-    """``accelerator.skip_first_batches``, which needs a batch sampler; a
-    map-style loader without one (``batch_size=None``) has its first
-    ``skip`` batches drawn and dropped instead."""
+    """``accelerator.skip_first_batches``, which needs a batch sampler, as
+    accelerate 1.15 does it on every release hookloop supports (see
+    :func:`hookloop.accelerate_fastpath.skip_first_batches`); a map-style
+    loader without one (``batch_size=None``) has its first ``skip`` batches
+    drawn and dropped instead."""
     from torch.utils.data import IterableDataset
+
+    from .accelerate_fastpath import skip_first_batches
 
     if getattr(data, "batch_sampler", None) is None and not isinstance(
         getattr(data, "dataset", None), IterableDataset
     ):
         return itertools.islice(iter(data), skip, None)
-    skipped: Iterable[Any] = accelerator.skip_first_batches(data, skip)
+    skipped: Iterable[Any] = skip_first_batches(accelerator, data, skip)
     return skipped
 
 

@@ -10,7 +10,11 @@ Trains (shuffled data, dropout, a warm-up schedule, gradient accumulation K;
 order from the global RNG at each pass, resumed by replaying it;
 ``--data stateful``: a stream with an order and a state of its own, as a
 ``datasets.IterableDataset`` has, through torchdata's ``StatefulDataLoader``,
-resumed from the loader's state)
+resumed from the loader's state; ``--sampler numpy|named|stateful|hidden``:
+map data drawn by a sampler of the user's own, with a numpy Generator, a
+``torch.Generator`` named ``g``, torchdata's ``Stateful`` protocol, or a
+generator hookloop cannot see; ``--stateful-loader``: Accelerate's
+``use_stateful_dataloader=True``)
 with ``Checkpoint(dir=OUT/checkpoints, every_steps=N)`` and
 ``resume_from="latest"``, then the main process writes OUT/params.pt, every
 network's final parameters. Works alone or under ``accelerate launch
@@ -57,11 +61,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.optim.lr_scheduler import LambdaLR
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, Sampler, TensorDataset
 
 from hookloop import Loop, Network, hookimpl
 from hookloop.checkpointing import codec, layout, writer
@@ -182,7 +187,70 @@ class SeededStream(IterableDataset):
             yield self.x[i], self.y[i]
 
 
+class NumpySampler(Sampler):
+    """A permutation per pass from a numpy Generator of its own."""
+
+    def __init__(self, n):
+        self.n, self.rng = n, np.random.default_rng(0)
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return iter(self.rng.permutation(self.n).tolist())
+
+
+class NamedGeneratorSampler(NumpySampler):
+    """A permutation per pass from a torch.Generator named ``g``, not ``generator``."""
+
+    def __init__(self, n):
+        self.n, self.g = n, torch.Generator().manual_seed(0)
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n, generator=self.g).tolist())
+
+
+class StatefulSampler(NumpySampler):
+    """torchdata's Stateful protocol: an order of its own per pass (a seed and
+    the number of passes started) and its position in the pass; a pass
+    interrupted is continued by ``load_state_dict`` then ``iter``."""
+
+    def __init__(self, n):
+        self.n, self.passes, self.yielded, self._continue_at = n, 0, 0, 0
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(1000 + self.passes)).tolist()
+        self.passes += 1
+        start, self._continue_at = self._continue_at, 0
+        for self.yielded in range(start + 1, self.n + 1):
+            yield order[self.yielded - 1]
+
+    def state_dict(self):
+        return {"passes": self.passes, "yielded": self.yielded}
+
+    def load_state_dict(self, state):
+        in_pass = 0 < state["yielded"] < self.n  # (a finished pass: the next starts afresh)
+        self.passes = state["passes"] - in_pass
+        self.yielded = self._continue_at = state["yielded"] if in_pass else 0
+
+
+class HiddenStateSampler(NumpySampler):
+    """Its generator inside another object: hookloop cannot see it."""
+
+    def __init__(self, n):
+        self.n, self.box = n, [np.random.default_rng(0)]
+
+    def __iter__(self):
+        return iter(self.box[0].permutation(self.n).tolist())
+
+
+SAMPLERS = {"numpy": NumpySampler, "named": NamedGeneratorSampler, "stateful": StatefulSampler,
+            "hidden": HiddenStateSampler}
+
+
 def loader(args, x, y):
+    if args.data == "map" and args.sampler:
+        return DataLoader(TensorDataset(x, y), batch_size=8, sampler=SAMPLERS[args.sampler](len(x)))
     if args.data == "map":
         return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
     if args.data == "stateful":
@@ -238,6 +306,10 @@ def main(argv=None):
     parser.add_argument("--signal-check-every", type=int, default=10)
     parser.add_argument("--pause", default="")
     parser.add_argument("--data", default="map", choices=["map", "stream", "stateful"])
+    parser.add_argument("--sampler", default="", choices=["", *SAMPLERS],
+                        help="map data drawn by a sampler of the user's own")
+    parser.add_argument("--stateful-loader", action="store_true",
+                        help="Accelerate's use_stateful_dataloader=True (torchdata's StatefulDataLoader)")
     parser.add_argument("--predict", action="store_true", help="predict on the training data after fit")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -245,7 +317,7 @@ def main(argv=None):
     from accelerate.utils import DataLoaderConfiguration
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accum, dataloader_config=(
-        DataLoaderConfiguration(use_stateful_dataloader=args.data == "stateful")))
+        DataLoaderConfiguration(use_stateful_dataloader=args.data == "stateful" or args.stateful_loader)))
     rank = accelerator.process_index
     checkpoint = Checkpoint(dir=args.out / "checkpoints", every_steps=args.every_steps,
                             keep_last=3, signal_check_every=args.signal_check_every)

@@ -304,14 +304,25 @@ def restore_rest(acc, staged, custom: list, apply) -> None:
     for i, scheduler in enumerate(scheduler_objects(acc)):
         apply("a scheduler state", scheduler_file(i), lambda o=scheduler, s=staged.schedulers[i]: o.load_state_dict(s))
     where = f"checkpoint {str(staged.path)!r}"
+    mid_epoch = bool(((staged.doc or {}).get("loop") or {}).get("step_in_epoch"))
     for i, loader in enumerate(acc._dataloaders):
         rel = numbered("sampler", i)
         if (isinstance(getattr(loader, "dataset", None), IterableDatasetShard) and rel in staged.extra
                 and isinstance(loader.get_sampler(), SeedableRandomSampler)):
             loader.set_sampler(torch_load(staged.extra[rel], rel, where, "a data loader's sampler"))
         rel = numbered("dl_state_dict", i)
-        if getattr(loader, "use_stateful_dataloader", False) and rel in staged.extra:
+        if not getattr(loader, "use_stateful_dataloader", False):
+            continue
+        if mid_epoch and rel in staged.extra:
             loader.load_state_dict(torch_load(staged.extra[rel], rel, where, "a data loader's state"))
+        else:
+            # Between epochs the saved state is of a finished iterator: torchdata would make
+            # one from it, then a fresh one (two seeds drawn from the global random state where
+            # the uninterrupted run draws one) and hand a Stateful dataset its finished
+            # position. The next epoch starts afresh instead, from a fresh iterator: ``{}``
+            # also drops the one the loader made when prepared (which it would reuse, drawing
+            # no seed at all).
+            loader.load_state_dict({})
     if acc.scaler is not None and staged.scaler is not None:
         apply("the gradient scaler state", SCALER_FILE, lambda: load_scaler(acc, staged.scaler))
     for i, (obj, state) in enumerate(zip(acc._custom_objects, custom)):

@@ -12,13 +12,14 @@ from __future__ import annotations
 from typing import Any
 import json
 import random
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..epoch_values import EpochValues
-from ..rng import data_generators
+from ..rng import SAMPLER_PREFIX, data_generators, sampler_states, unrestorable_samplers
 from .errors import CheckpointError
 from .layout import FORMAT
 
@@ -134,12 +135,16 @@ def write_rank_file(file: Path, loop) -> None:
     if epoch is not None:
         _rng_tensors("epoch", epoch["rng"], tensors, meta)
         for path, state in epoch["generators"].items():
-            tensors[f"epoch.gen.{path}"] = state.clone()
+            if not path.startswith(SAMPLER_PREFIX):
+                tensors[f"epoch.gen.{path}"] = state.clone()
+        _sampler_entries("epoch", epoch["generators"], tensors, meta)
         if epoch.get("shuffle") is not None:  # an epoch continued on another loader (rng.translate_epoch)
             tensors["epoch.shuffle"] = epoch["shuffle"].clone()
     if loop.train_data is not None:
         for path, gen in data_generators(loop.train_data).items():
             tensors[f"now.gen.{path}"] = gen.get_state()
+        _sampler_entries("now", sampler_states(loop.train_data), tensors, meta)
+        _warn_unrestorable_samplers(loop)
     logged = []
     for i, (key, (reduce, total, count)) in enumerate(loop.state.logged.state_dict().items()):
         if isinstance(total, torch.Tensor):
@@ -150,6 +155,35 @@ def write_rank_file(file: Path, loop) -> None:
     if logged:
         meta["logged"] = json.dumps(logged)
     save_file(tensors, str(file), metadata=meta)
+
+
+def _sampler_entries(prefix: str, states: dict, tensors: dict, meta: dict) -> None:
+    """The user's own samplers' states (``"sampler:<role>"`` entries) as data."""
+    samplers = {k: v for k, v in states.items() if k.startswith(SAMPLER_PREFIX)}
+    if samplers:
+        meta[f"{prefix}.samplers"] = json.dumps(to_data(
+            samplers, tensors, f"{prefix}.sampler", "the state of the training data's sampler "))
+
+
+def _samplers_from(prefix: str, tensors: dict, meta: dict) -> dict:
+    return from_data(json.loads(meta[f"{prefix}.samplers"]), tensors) if f"{prefix}.samplers" in meta else {}
+
+
+def _warn_unrestorable_samplers(loop) -> None:
+    """At a loop's first save: name the user's samplers whose order a
+    resume cannot restore (:func:`~hookloop.rng.unrestorable_samplers`)."""
+    if getattr(loop, "_samplers_checked", False):
+        return
+    loop._samplers_checked = True
+    if not loop.accelerator.is_main_process:
+        return
+    for name, why in unrestorable_samplers(loop.train_data).items():
+        warnings.warn(
+            f"hookloop: the training data's sampler {name} will not resume exactly from a checkpoint: "
+            f"{why}. Keep its random generators as attributes (torch.Generator, numpy Generator, "
+            "random.Random), or give it state_dict()/load_state_dict() (torchdata's Stateful), or "
+            "draw from the global random state (docs/checkpoints.md, What resumes bit for bit)",
+            RuntimeWarning, stacklevel=2)
 
 
 def parse_rank_file(data: bytes):
@@ -169,14 +203,17 @@ def parse_rank_file(data: bytes):
             "generators": {k[len("epoch.gen."):]: v for k, v in tensors.items()
                            if k.startswith("epoch.gen.")},
         }
+        epoch["generators"].update(_samplers_from("epoch", tensors, meta))
         if "epoch.shuffle" in tensors:
             epoch["shuffle"] = tensors["epoch.shuffle"]
         check_rng(epoch["rng"]["python"], epoch["rng"]["numpy"], epoch["rng"]["torch"])
-        for state in [*epoch["generators"].values(), *([epoch["shuffle"]] if "shuffle" in epoch else [])]:
-            torch.Generator().set_state(state)
+        for path, state in [*epoch["generators"].items(), *([("", epoch["shuffle"])] if "shuffle" in epoch else [])]:
+            if not path.startswith(SAMPLER_PREFIX):
+                torch.Generator().set_state(state)
     now = {k[len("now.gen."):]: v for k, v in tensors.items() if k.startswith("now.gen.")}
     for state in now.values():
         torch.Generator().set_state(state)
+    now.update(_samplers_from("now", tensors, meta))
     logged = {}
     for i, (key, reduce, total, count) in enumerate(json.loads(meta.get("logged", "[]"))):
         logged[key] = [reduce, tensors[f"log.{i}"] if total is None else total, count]
