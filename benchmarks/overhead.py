@@ -270,8 +270,9 @@ def table(results, device, repeats, quick, clock) -> str:
         "per-repeat ratios (lowest–highest). Peak RSS: ru_maxrss of the whole process (imports included); "
         "extra in training: the same, less the RSS before training (imports done, model and "
         "data built). hookloop defaults: Loop(model, optimizer, scheduler, train_data) as a "
-        "user gets it, with the built-in default plugins listed under each table (the "
-        "progress bar is silent: tqdm turns it off when stderr is not a terminal); "
+        "user gets it, with the built-in default plugins listed under each table (stderr "
+        "is a pipe, not a terminal: the progress plugin prints its plain lines, a line "
+        "every tenth of the run); "
         "installed-plugin autoload off."
     )
     if device.startswith("cuda"):

@@ -341,7 +341,7 @@ def _to(batch, device):
 #: hookloop variants: the plugins given in code, and environment overrides
 VARIANTS = {
     # Loop(model, optimizer, scheduler, train_data): the defaults a user gets
-    # (strategy, default loss, the built-in progress bar, which tqdm turns off
+    # (strategy, default loss, the built-in progress, which prints plain lines
     # when stderr is not a terminal, as here)
     "hookloop": {},
     # the same, with hookloop's Accelerate fast path switched off

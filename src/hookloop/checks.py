@@ -123,7 +123,9 @@ def launch(accelerator: Any) -> None:
     type it had, e.g. ``MULTI_CPU`` DDP on a CPU); ``mixed_precision="fp16"``
     on a CPU, which trains in fp32; ``torchrun --max-restarts`` with torch
     2.13 without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see
-    :func:`_elastic_store`)."""
+    :func:`_elastic_store`); an Accelerate release hookloop's fast path was
+    not checked against (once per process:
+    :func:`hookloop.accelerate_fastpath.warn_if_unverified`)."""
     launched: dict[str, int] = {}
     for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         try:
@@ -170,6 +172,9 @@ def launch(accelerator: Any) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+    from .accelerate_fastpath import warn_if_unverified
+
+    warn_if_unverified(stacklevel=3)
     _elastic_store()
 
 

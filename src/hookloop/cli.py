@@ -43,16 +43,16 @@ DEMO_LINES = {
 def plugin_rows(block: Iterable[str] = ()) -> list[dict[str, Any]]:
     """Every plugin a ``Loop`` could run: built-ins and installed ones, with
     whether it is active and why."""
-    from .plugins import BUILTINS, FiniteCheck, ProgressBar
+    from .plugins import BUILTINS, loop_defaults
     from .strategies import GAN, Distillation, Supervised
 
     blocked = plugin_manager.blocked_names(block)
     rows: list[dict[str, Any]] = []
     # what Loop(...) registers without being asked: the default strategy, its
-    # default plugins, the progress bar and the finiteness check
+    # default plugins and the loop's (progress bar, finiteness check, metrics to trackers)
     strategy = Supervised()
     defaults = {plugin_manager.plugin_name(p): type(p)
-                for p in (strategy, *strategy.default_plugins(), ProgressBar(), FiniteCheck())}
+                for p in (strategy, *strategy.default_plugins(), *loop_defaults())}
     strategies = {"gan": GAN, "distillation": Distillation}
     for name, cls in {**defaults, **BUILTINS, **strategies}.items():
         if any(r["name"] == name for r in rows):

@@ -36,6 +36,12 @@ Call order for one epoch of supervised training with an evaluation set::
 
 ``on_exception`` replaces the rest of this sequence when anything raises.
 
+``loop.find_lr()`` (:mod:`hookloop.lr_finder`) calls ``before_step``,
+``training_step`` and the hooks inside it, and no other hook, outside any
+fit (``loop.state.stage == "find_lr"``; maybe before the first
+``on_fit_start``), for every plugin but those that declare
+``changes_training = False``; then it puts the run back as it was.
+
 **How a fit or an epoch ends, and which hooks run** (as Ignite's ``Events``
 documents ``terminate``). "Epoch end" is ``on_train_epoch_end``, the
 evaluation (with ``eval_data``), ``on_epoch_end`` and the epoch's
@@ -661,7 +667,7 @@ def on_eval_start(loop: LoopLike) -> None:
 
 
 @hookspec(firstresult=True)
-def eval_step(loop: LoopLike, batch: Any) -> Any:
+def eval_step(loop: LoopLike, batch: Any, eval_set: str | None) -> Any:
     """Run the forward pass of one evaluation batch, under
     ``torch.no_grad()``, and return its outputs.
 
@@ -674,6 +680,9 @@ def eval_step(loop: LoopLike, batch: Any) -> Any:
     :param loop: the :class:`~hookloop.Loop`; ``loop.state.stage`` is
         ``"eval"``, ``"sanity"`` or ``"predict"``.
     :param batch: the evaluation batch, on the device.
+    :param eval_set: the name of the evaluation set the batch is of
+        (``Loop(eval_data={"val": ..., "test": ...})``), None for the one set
+        of ``eval_data`` (or for :meth:`Loop.predict`).
     :return: the model's outputs for the batch (anything but ``None``).
 
     Stops at the first non-None result.
@@ -681,11 +690,13 @@ def eval_step(loop: LoopLike, batch: Any) -> Any:
     .. versionadded:: 0.1
     .. versionchanged:: 0.2
         Returns the forward outputs; metrics moved to ``after_eval_step``.
+    .. versionchanged:: 0.5
+        ``eval_set``.
     """
 
 
 @hookspec
-def after_eval_step(loop: LoopLike, batch: Any, outputs: Any) -> Mapping[str, Tensor] | None:
+def after_eval_step(loop: LoopLike, batch: Any, outputs: Any, eval_set: str | None) -> Mapping[str, Tensor] | None:
     """Called for every implementation after each evaluation batch, with
     the outputs ``eval_step`` returned: the place for metrics.
 
@@ -699,12 +710,22 @@ def after_eval_step(loop: LoopLike, batch: Any, outputs: Any) -> Mapping[str, Te
     - or accumulate in the plugin (reset in ``on_eval_start``) and write the
       result into ``metrics`` in ``on_eval_end``.
 
+    Several evaluation sets (``eval_data={"val": ..., "test": ...}``) are one
+    evaluation: the values returned for the batches of set ``test`` become
+    ``eval_test_loss`` ...; a plugin that accumulates keeps one result per
+    ``eval_set`` and writes each under its name
+    (``hookloop.evaluation.metric_key(eval_set, "eval_f1")``).
+
     :param loop: the :class:`~hookloop.Loop`.
     :param batch: the evaluation batch, on the device.
     :param outputs: what ``eval_step`` returned for it.
+    :param eval_set: the name of the batch's evaluation set, None for the one
+        set of ``eval_data``.
     :return: ``None``, or a dict of per-example tensors (gathered).
 
     .. versionadded:: 0.2
+    .. versionchanged:: 0.5
+        ``eval_set``.
     """
 
 
@@ -716,7 +737,11 @@ def on_eval_end(loop: LoopLike, metrics: dict[str, float]) -> None:
     :param loop: the :class:`~hookloop.Loop`.
     :param metrics: a dict of floats, each metric averaged over every
         evaluation example (same on every process). Implementations may add
-        entries; later implementations and the caller see them.
+        entries; later implementations and the caller see them. With
+        several evaluation sets, each set's metrics under its own keys
+        (``eval_val_loss``, ``eval_test_loss``: ``metrics.eval_sets`` names
+        the sets); an ``eval_*`` key written without a set's name is then an
+        error naming the plugin (it would mix the sets).
 
     Return value ignored.
 

@@ -11,10 +11,16 @@ its instances apart with ``loop.plugins.name_of(self)``.
 Values logged while a batch is trained share one step number on the
 trackers: the update the batch belongs to, whether they are logged from
 ``before_step``, ``after_optimizer_step`` or ``after_step``.
+
+A value logged ``on_step`` is one number (a tracker's point): a tensor or
+array of several values is refused at the ``loop.log`` call, on every
+process, with or without trackers (checked from its shape alone: no device
+sync). Images go through ``loop.log_images``, at the same step number.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 import sys
 from collections.abc import Mapping
@@ -23,7 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from .epoch_values import EpochValues
-from .trackers import TrackerSession
+from .trackers import TrackerSession, image_batch, send_images
 
 if TYPE_CHECKING:  # names for the annotations only
     from .state import LoopState
@@ -52,6 +58,30 @@ def replaces(plugins: Any, writer: str | None, owner: str | None, key: str = "")
     return True
 
 
+def one_number(key: str, value: Any, writer: str | None) -> None:
+    """``loop.log(on_step=True)``'s check that ``value`` is one number (a
+    tracker's point): a tensor or array of several values (or none) is an
+    error naming ``key``, its shape and what to log instead. Reads the
+    shape only: no device sync."""
+    if isinstance(value, torch.Tensor):
+        count = value.numel()
+    else:
+        shape = getattr(value, "shape", None)  # a numpy (or other) array; a numpy number has shape ()
+        if not isinstance(shape, tuple):
+            return
+        count = math.prod(shape)
+    if count == 1:
+        return
+    shape = list(value.shape)
+    who = f" (plugin {writer!r})" if writer else ""
+    kind = "tensor" if isinstance(value, torch.Tensor) else type(value).__name__
+    raise ValueError(
+        f"loop.log: {key!r}{who} is a {kind} of shape {shape} ({count} values), not one number: "
+        "a value logged on_step is one point of a tracker's curve. For the epoch's reduction of "
+        f"every value, log it with on_step=False, on_epoch=True; for an image (or a batch of them), "
+        f"loop.log_images({{{key!r}: image}}); else log one number (value.mean(), value[i])")
+
+
 def collision(what: str, key: str, owner: str, writer: str) -> ValueError:
     return ValueError(
         f"{what} {key!r} is written by plugin {owner!r} and by plugin {writer!r}: their values "
@@ -75,9 +105,13 @@ class Logbook:
         self.step: int | None = None
         self._step_owners: dict[str, tuple[str, int]] = {}  # tracker key -> (plugin, step), this fit
         self._told_untracked = False  # said once where loop.log's values go without a tracker
+        self._told_imageless: set[str] = set()  # trackers said to take no images
+        #: loop.log's latest on_step values that no tracker took (main process; plugins/progress.py shows them)
+        self.untracked: dict[str, Any] = {}
 
     def start_fit(self) -> None:
         self._step_owners = {}
+        self.untracked.clear()
 
     def writer(self, depth: int) -> str | None:
         """The registered plugin whose method is ``depth`` frames up, or None."""
@@ -86,6 +120,10 @@ class Logbook:
 
     def log(self, state: LoopState, values: Mapping[str, Any], on_step: bool, on_epoch: bool,
             reduce: str, writer: str | None) -> None:
+        if on_step:
+            for key, value in values.items():
+                if not isinstance(value, (float, int, str)):
+                    one_number(key, value, writer)
         if on_epoch:
             stage = state.stage
             if stage == "eval":
@@ -94,21 +132,54 @@ class Logbook:
                 self._add(state.logged, values, reduce, writer)
         if on_step:
             acc = self.accelerator
-            step = self.step if self.step is not None else state.global_step
+            step = self.step_of(state)
             if writer is not None:
                 values = self._claim_step(values, writer, step)
             if not acc.is_main_process:
                 return
-            if not acc.trackers and not (self.trackers.fitting and self.trackers.start()):
-                if not self._told_untracked:  # nobody to write to: nothing read, and said once
-                    self._told_untracked = True
-                    print(f"hookloop: loop.log({', '.join(map(repr, list(values)[:3]))}...) goes to no tracker: "
-                          "none is configured. Accelerator(log_with='tensorboard', project_dir=...) (or "
-                          "'wandb', 'mlflow', hookloop.trackers.JSONLinesTracker(dir)) records every value; "
-                          "on_epoch=True values reach the epoch's metrics either way", file=sys.stderr)
+            if not self._tracked("loop.log", values):
+                self.untracked.update(values)  # references: nothing read here
                 return
             acc.log({k: v.item() if isinstance(v, torch.Tensor) else v for k, v in values.items()},
                     step=step)
+
+    def step_of(self, state: LoopState) -> int:
+        """The step number values logged now go to the trackers at."""
+        return self.step if self.step is not None else state.global_step
+
+    def log_images(self, state: LoopState, images: Mapping[str, Any]) -> None:
+        """``loop.log_images``: checked on every process (shapes only), sent
+        from the main process, on the CPU, to the trackers that take images
+        (:func:`~hookloop.trackers.send_images`); the others named once."""
+        batches = {key: image_batch(key, value) for key, value in images.items()}
+        acc = self.accelerator
+        if not batches or not acc.is_main_process or not self._tracked("loop.log_images", batches):
+            return
+        cpu = {key: batch.detach().cpu() for key, batch in batches.items()}
+        refused = [n for n in send_images(acc.trackers, cpu, self.step_of(state)) if n not in self._told_imageless]
+        if refused:
+            self._told_imageless.update(refused)
+            took = len(refused) < len(acc.trackers)
+            print(f"hookloop: loop.log_images({', '.join(map(repr, list(batches)[:3]))}...): tracker"
+                  f"{'s' if len(refused) > 1 else ''} {', '.join(map(repr, refused))} take"
+                  f"{'' if len(refused) > 1 else 's'} no images (no log_images method)"
+                  f"{'; the others got them' if took else ''}. TensorBoard, W&B, Aim, ClearML and "
+                  "SwanLab take images", file=sys.stderr)
+
+    def _tracked(self, call: str, values: Mapping[str, Any]) -> bool:
+        """Whether trackers run (started now, inside a fit, if configured);
+        if none is configured, said once (on the main process)."""
+        if self.accelerator.trackers or (self.trackers.fitting and self.trackers.start()):
+            return True
+        if not self._told_untracked:  # nobody to write to: nothing read, and said once
+            self._told_untracked = True
+            hint = ("(or 'wandb', 'mlflow', hookloop.trackers.JSONLinesTracker(dir)) records every value; "
+                    "on_epoch=True values reach the epoch's metrics either way" if call == "loop.log"
+                    else "(or 'wandb') records them")
+            print(f"hookloop: {call}({', '.join(map(repr, list(values)[:3]))}...) goes to no tracker: "
+                  f"none is configured. Accelerator(log_with='tensorboard', project_dir=...) {hint}",
+                  file=sys.stderr)
+        return False
 
     def _claim_step(self, values: Mapping[str, Any], writer: str, step: int) -> Mapping[str, Any]:
         """Two plugins logging one key at one step: the trackers would keep one
@@ -166,10 +237,12 @@ class Metrics(dict[str, float]):
     raised where the plugin sets it."""
 
     def __init__(self, items: Any = (), *, plugins: Any = None,
-                 owners: Mapping[str, str | None] | None = None) -> None:
+                 owners: Mapping[str, str | None] | None = None, eval_sets: Any = ()) -> None:
         super().__init__()
         self._plugins = plugins
         self._owners: dict[str, str | None] = {}
+        #: the names of the evaluation sets whose metrics these are (none: one set)
+        self.eval_sets: tuple[str, ...] = tuple(eval_sets)
         for key, value in dict(items).items():
             self._put(key, value, (owners or {}).get(key))
 
@@ -208,6 +281,13 @@ class Metrics(dict[str, float]):
                 "metrics are numbers (what fit() returns and trackers get); write float(value), "
                 "or value.item() for a one-element tensor"
             )
+        if (len(self.eval_sets) > 1 and writer is not None and key.startswith("eval_")
+                and not key.startswith(tuple(f"eval_{s}_" for s in self.eval_sets))):
+            raise ValueError(
+                f"metrics[{key!r}] (plugin {writer!r}): these are the metrics of several evaluation "
+                f"sets ({', '.join(self.eval_sets)}), and {key!r} names none of them, so its value would "
+                "mix them. Keep one result per set (after_eval_step's eval_set) and write each under its "
+                "name: hookloop.evaluation.metric_key(eval_set, " f"{key!r})")
         owner = self._owners.get(key)
         if key in self and owner is not None and writer is not None and owner != writer:
             if replaces(self._plugins, owner, writer, key):

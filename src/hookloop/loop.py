@@ -22,16 +22,18 @@ from typing import Any
 from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderStateMixin
 
-from . import checkpointing, checks, evaluation, rng
+from . import checkpointing, checks, evaluation, rng, schedules
 from . import manager as plugin_manager
 from .accelerate_fastpath import FastPath
 from .agreement import Agreement
 from .lifetime import _open_loops
 from .batches import abandon, length_of, updates_per_epoch
 from .logbook import Logbook, Metrics
+from .lr_finder import LRFinderResult
+from .lr_finder import find_lr as _find_lr
 from .network import Network, networks_from
 from .network import prepare as prepare_networks
-from .plugins import BUILTINS, FiniteCheck, ProgressBar
+from .plugins import BUILTINS, loop_defaults
 from .state import DATA, END_EPOCH, MAX_STEPS, STOP, LoopState
 from .strategies import StepOutput, Supervised
 from .strategies.base import step_epoch_schedulers
@@ -102,22 +104,27 @@ class Loop:
             checks.accelerator_state(accelerator)
         self.accelerator = accelerator if accelerator is not None else Accelerator()
         checks.launch(self.accelerator)  # launch mistakes, before anything is prepared
+        evaluation.check_eval_data(eval_data)
         self.train_data = train_data
+        #: one evaluation set (a ``DataLoader``), or several by name (a dict
+        #: ``{"val": ..., "test": ...}``, a list: ``"0"``, ``"1"`` ...)
         self.eval_data = eval_data
         #: the run state: position, run identity, what a restart needs
         self.state = LoopState()
         self.plugins = plugin_manager.PluginManager()
         self.plugins.register_all(
             list(plugins), strategy=self.strategy, builtins=BUILTINS, block=block,
-            defaults=[*self.strategy.default_plugins(), ProgressBar(), FiniteCheck()],
+            defaults=[*self.strategy.default_plugins(), *loop_defaults()],
         )
         self._closed = False
         self.hook.on_loop_start(loop=self)
         self._prepare_data = prepare
         self._prepared: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # DataLoader -> prepared, for evaluate/predict
         if prepare:
-            self.train_data, self.eval_data = prepare_networks(
-                self.accelerator, self.networks, frozen, self.train_data, self.eval_data)
+            sets = evaluation.eval_sets(eval_data) if eval_data is not None else []
+            self.train_data, loaders = prepare_networks(
+                self.accelerator, self.networks, frozen, self.train_data, [loader for _, loader in sets])
+            self.eval_data = evaluation.with_sets(eval_data, loaders) if sets else None
         #: ``gradient_accumulation_steps`` as the loop was built (a checkpoint
         #: records it); a plugin may change it at update boundaries during a fit
         self.configured_accumulation: int = self.accelerator.gradient_accumulation_steps
@@ -212,11 +219,29 @@ class Loop:
             part of every checkpoint: an epoch interrupted and resumed
             reduces the same values as one that was not.
 
+        An ``on_step`` value is one number: a tensor or array of several
+        values is an error naming its key (``on_step=False, on_epoch=True``
+        reduces every value; images go through :meth:`log_images`).
         Two plugins logging one key is an error naming both
         (:mod:`hookloop.logbook`): name per-instance keys with
         ``loop.plugins.name_of(self)``.
         """
         self._logbook.log(self.state, values, on_step, on_epoch, reduce, self._logbook.writer(1))
+
+    def log_images(self, images: Mapping[str, Any]) -> None:
+        """Send images, by name, to every tracker of the accelerator that takes
+        images (TensorBoard, W&B, Aim, ClearML, SwanLab: those with a
+        ``log_images`` method), from the main process, at the step number
+        :meth:`log` uses. Call it on any process (the others send nothing
+        and read nothing from the device).
+
+        Each value is one image or a batch: a tensor or numpy array ``(H,
+        W)``, ``(C, H, W)`` or ``(N, C, H, W)``, channels first, 1 (grey) or
+        3 (RGB) of them, floats in [0, 1] or ``uint8``; a PIL image; or a
+        list of those. A tracker without ``log_images``
+        (:class:`~hookloop.trackers.JSONLinesTracker`, MLflow) is named once.
+        """
+        self._logbook.log_images(self.state, images)
 
     def start_trackers(self, project_name: str = "hookloop", config: dict[str, Any] | None = None,
                        init_kwargs: dict[str, Any] | None = None) -> bool:
@@ -296,6 +321,8 @@ class Loop:
         state.stopped = None
         if state.finished:
             checks.warn_nothing_to_do(state, epochs, max_steps)
+        elif self._resume is not None:  # the first fit after a resume: past the end of a schedule?
+            schedules.warn_past_plan(self, self._resume.manifest)
         # trackers end last, after on_exception: a plugin may still log there
         with self._logbook.trackers.for_fit(), self.plugins.guard(self), self._stage("train"):
             self._begin_fit(sanity_check and not state.finished)
@@ -390,7 +417,7 @@ class Loop:
             if reason is None and updated:
                 if (eval_every is not None and not last and state.global_step % eval_every == 0
                         and state.global_step != state.evaluated_at):
-                    state.evaluation = self._evaluate(self.eval_data, keep_rng=True)
+                    state.evaluation = self._evaluate(self.eval_data, keep_rng=True, scheduled="every")
                     state.evaluated_at = state.global_step
                     agreement.agree(state)
                     reason = self._early_end()  # asked by the evaluation (early stopping)
@@ -440,7 +467,8 @@ class Loop:
             else:
                 # an epoch ended early evaluates without a trace in the random
                 # states: the next fit continues the epoch as if it had not stopped
-                metrics = self._evaluate(self.eval_data, keep_rng=not complete, metrics=metrics)
+                metrics = self._evaluate(self.eval_data, keep_rng=not complete, metrics=metrics,
+                                         scheduled="epoch")
         if complete:
             step_epoch_schedulers(self, self._trainable, metrics)
         hook.on_epoch_end(loop=self, epoch=epoch, metrics=metrics)
@@ -496,7 +524,8 @@ class Loop:
     # -- checkpoints ---------------------------------------------------------------
 
     def load_checkpoint(self, path: Any = "latest", *, strict: bool = True, trust_pickles: Iterable[str] = (),
-                        weights_only: bool = False, position: Any = None) -> Path | None:
+                        weights_only: bool = False, position: Any = None
+                        ) -> Path | checkpointing.WeightsLoaded | None:
         """Restore a checkpoint written by :class:`hookloop.plugins.Checkpoint`:
         every network's model, optimizer and scheduler, every process's
         random states, the run state and each stateful plugin's state; the
@@ -523,7 +552,17 @@ class Loop:
             ``docs/checkpoints.md``).
         :param weights_only: a new run from the checkpoint's weights alone
             (every network's model; also of Accelerate's plain format), on any
-            number of processes; the loop keeps its position and run id.
+            number of processes; the loop keeps its position and run id. The
+            best weights after early stopping: ``load_checkpoint("best",
+            weights_only=True)`` (Lightning's ``ckpt_path="best"``, the
+            Trainer's ``load_best_model_at_end``). With ``strict=False``, the
+            tensors that fit (name and shape) are loaded and the others stay
+            as they are (fine-tuning into another head, as torch's
+            ``load_state_dict(strict=False)`` and transformers'
+            ``ignore_mismatched_sizes=True`` do); it returns a
+            :class:`~hookloop.checkpointing.WeightsLoaded` naming, per network,
+            the ``missing``, ``unexpected`` and ``mismatched`` tensors, also
+            said in a warning.
         :param position: where an ``accelerator.save_state`` folder's run was, if
             its name does not say (``epoch_<e>``, ``step_<n>``): the same strings,
             or ``{"epoch": e, "step_in_epoch": batches}``.
@@ -537,7 +576,7 @@ class Loop:
             self.print(f"hookloop: no checkpoint in {roots[0]} yet: starting from scratch")
             return None
         if weights_only:  # a new run from the weights: the loop's state, run id and plugins stay
-            return checkpointing.load_weights(self, found, staged=staged)
+            return checkpointing.load_weights(self, found, staged=staged, strict=strict)
         trusted = list(trust_pickles) or None
         script = checkpointing.script_folder(found)  # a hand-written script's save_state
         if script is not None or position is not None:
@@ -569,27 +608,74 @@ class Loop:
             self._agreement.agree(self.state)
         return metrics
 
-    def predict(self, data: Any) -> Any:
+    def predict(self, data: Any, *, pad_index: float | None = -100) -> Any:
         """The outputs of ``eval_step`` (the model's forward outputs, for the
         built-in strategies) for every example of ``data``, in data order,
         gathered over processes with ``gather_for_metrics`` (every process
         gets all of them; tensors concatenated on dim 0, inside tuples and
         dicts too). No gradients; the networks' train/eval modes are
         restored afterwards. ``loop.state.stage`` is ``"predict"`` meanwhile.
+
+        :param pad_index: outputs whose sizes after the first dimension
+            differ between batches or processes (per-token outputs of
+            batches padded to their own longest sequence) are padded with it,
+            at the end of each dimension, to the largest size seen, as the
+            Hugging Face Trainer's ``predict`` does (its ``padding_index``,
+            -100; Lightning's ``predict`` returns a list per batch instead).
+            ``None``: such outputs are an error. Outputs that cannot be
+            joined (other numbers of dimensions, keys) are an error naming
+            the output and the shapes.
         """
         data = evaluation.loader_for(self, data, required=True)
         with self.plugins.guard(self), self._stage("predict"):
-            return evaluation.predict(self, data)
+            return evaluation.predict(self, data, pad_index)
 
-    def _evaluate(self, data: Any, keep_rng: bool, metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _evaluate(self, data: Any, keep_rng: bool, metrics: dict[str, Any] | None = None,
+                  scheduled: str | None = None) -> dict[str, Any]:
         """One evaluation. ``keep_rng``: put the global random states back
         afterwards (iterating a DataLoader draws a seed from them), so that
         an evaluation in the middle of an epoch changes nothing in training.
         Only the evaluation at the end of a whole epoch draws, as the
         hand-written Accelerate loop's does. ``metrics``: entries to start
-        from (the epoch's ``loop.log(on_epoch=True)`` values)."""
-        with self._stage("eval"), (rng.keep_rng() if keep_rng else _NULL):
-            return evaluation.run(self, data, self._logbook, metrics)
+        from (the epoch's ``loop.log(on_epoch=True)`` values). ``scheduled``:
+        ``loop.state.scheduled_eval`` meanwhile (``"every"``, ``"epoch"``)."""
+        state = self.state
+        before, state.scheduled_eval = state.scheduled_eval, scheduled
+        try:
+            with self._stage("eval"), (rng.keep_rng() if keep_rng else _NULL):
+                return evaluation.run(self, data, self._logbook, metrics)
+        finally:
+            state.scheduled_eval = before
+
+    # -- tuning ----------------------------------------------------------------------
+
+    def find_lr(self, *, min_lr: float = 1e-8, max_lr: float = 1.0, num_training: int = 100,
+                mode: str = "exponential", early_stop_threshold: float | None = 4.0,
+                networks: str | Iterable[str] | None = None, monitor: str | None = None) -> LRFinderResult:
+        """A learning-rate range test (Lightning's ``Tuner(trainer).lr_find(model)``,
+        with its defaults): up to ``num_training`` optimizer updates of this
+        loop's own training step, the learning rate of every param group of
+        the swept networks going from ``min_lr`` to ``max_lr``, the loss of
+        each update recorded (smoothed); then the run is put back bitwise as
+        it was (parameters, optimizer and scheduler states, random states,
+        data position, ``loop.state``): a ``fit`` afterwards is the ``fit``
+        without it. :mod:`hookloop.lr_finder` says which hooks run (the step's,
+        not the observers'; never the epoch, evaluation or checkpoint hooks).
+
+        :param mode: ``"exponential"`` (evenly spaced in log10) or ``"linear"``.
+        :param early_stop_threshold: stop when the smoothed loss exceeds this
+            many times the best so far (while that best is positive; a
+            non-finite loss always stops); None: never.
+        :param networks: the networks whose learning rates are swept
+            (default: every trained one); the others train as in a fit.
+        :param monitor: the network whose loss the curve follows when the
+            strategy returns one per network (a GAN); default: the one swept.
+        :return: an :class:`~hookloop.lr_finder.LRFinderResult`: ``.lrs``,
+            ``.losses``, ``.suggestion`` (where the loss falls fastest, or
+            None with ``.reason``), ``.plot(path)`` (a PNG).
+        """
+        return _find_lr(self, min_lr=min_lr, max_lr=max_lr, num_training=num_training, mode=mode,
+                        early_stop_threshold=early_stop_threshold, networks=networks, monitor=monitor)
 
     # -- context of a fit ------------------------------------------------------------
 

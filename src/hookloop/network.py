@@ -207,12 +207,12 @@ def _refuse_shared(networks: Mapping[str, Network]) -> None:
 
 
 def prepare(accelerator: Any, networks: Mapping[str, Network], frozen: Any, train_data: Any,
-            eval_data: Any) -> tuple[Any, Any]:
+            eval_loaders: list[Any]) -> tuple[Any, list[Any]]:
     """Pass every network's model, optimizer and scheduler and the data
     through ``accelerator.prepare`` (frozen networks through
     ``prepare_model(evaluation_mode=True)``: no DDP wrapper, eval mode),
     replacing them in the networks. Returns the prepared ``(train_data,
-    eval_data)``.
+    eval_loaders)``.
 
     Accelerate returns one object, a tuple, or (FSDP2) a list: all taken."""
     for name in frozen:  # evaluation_mode: no DDP wrapper, nothing to synchronise
@@ -222,7 +222,7 @@ def prepare(accelerator: Any, networks: Mapping[str, Network], frozen: Any, trai
     trained = [n for name, n in networks.items() if name not in frozen]
     with_opt = [n for n in trained if n.optimizer is not None]
     with_sched = [n for n in trained if n.scheduler is not None]
-    data = [d for d in (train_data, eval_data) if d is not None]
+    data = [d for d in (train_data, *eval_loaders) if d is not None]
     given = [*(n.model for n in trained), *(n.optimizer for n in with_opt), *data,
              *(n.scheduler for n in with_sched)]
     prepared = accelerator.prepare(*given)
@@ -236,8 +236,7 @@ def prepare(accelerator: Any, networks: Mapping[str, Network], frozen: Any, trai
         n.optimizer = next(it)
     if train_data is not None:
         train_data = next(it)
-    if eval_data is not None:
-        eval_data = next(it)
+    eval_loaders = [next(it) for _ in eval_loaders]
     for n in with_sched:
         n.scheduler = next(it)
-    return train_data, eval_data
+    return train_data, eval_loaders

@@ -131,9 +131,13 @@ class LoopState:
     #: what the loop is doing: ``"train"``, ``"eval"`` (an evaluation, at an
     #: epoch end, every ``eval_every`` updates or from :meth:`Loop.evaluate`),
     #: ``"sanity"`` (the sanity check: an evaluation of one batch before training),
-    #: ``"predict"``,
-    #: or ``None`` outside ``fit`` / ``evaluate`` / ``predict``
+    #: ``"predict"``, ``"find_lr"`` (the training steps of :meth:`Loop.find_lr`),
+    #: or ``None`` outside ``fit`` / ``evaluate`` / ``predict`` / ``find_lr``
     stage: str | None = None
+    #: during an evaluation a fit runs on its own schedule: ``"every"``
+    #: (``fit(eval_every=N)``) or ``"epoch"`` (an epoch's end); None during
+    #: the sanity check, a :meth:`Loop.evaluate` call, and outside evaluations
+    scheduled_eval: str | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """The position, as plain data (ints): a checkpoint's ``loop``."""

@@ -16,15 +16,23 @@ number of the update they belong to, never a smaller one than a value logged
 before in the same fit, which W&B requires (it drops a value logged at a step
 below its current one) and which puts the values of one update in one W&B
 history row and at one MLflow and TensorBoard step.
+
+Images (``loop.log_images``) go to the trackers that have a ``log_images``
+method, each in the form it takes (:func:`send_images`): Accelerate's
+trackers disagree (TensorBoard's ``add_images`` wants a batch ``(N, C, H,
+W)``; W&B and SwanLab a list of images per key; Aim and ClearML one image
+per key).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
+
+import torch
 
 from accelerate.tracking import GeneralTracker, on_main_process
 
@@ -108,6 +116,99 @@ def config_for(tracker: GeneralTracker, config: Any) -> Any:
     if isinstance(config, Mapping) and getattr(tracker, "name", None) in FLAT_CONFIG_TRACKERS:
         return flat_config(config)
     return config
+
+
+#: Accelerate's trackers whose ``log_images`` takes one image per key
+ONE_IMAGE_TRACKERS = frozenset({"aim", "clearml"})
+
+
+def image_batch(key: str, value: Any) -> torch.Tensor:
+    """``value``, one image or a batch, as an ``(N, C, H, W)`` tensor (a view
+    of a tensor given: no copy, no device sync): a tensor or numpy array of
+    shape ``(H, W)``, ``(C, H, W)`` or ``(N, C, H, W)``, channels first, 1
+    (grey) or 3 (RGB) of them, floats in [0, 1] or ``uint8`` in [0, 255]; a
+    PIL image; a list of those, of one shape. Anything else is an error
+    naming ``key``."""
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"loop.log_images: {key!r} is an empty {type(value).__name__}: give images")
+        parts = [image_batch(key, v) for v in value]
+        kinds = {(tuple(p.shape[1:]), p.dtype) for p in parts}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"loop.log_images: the images of {key!r} are of several shapes or dtypes "
+                f"({', '.join(f'{list(s)} {d}' for s, d in sorted(kinds, key=str))}): "
+                "a key's images are of one shape and dtype")
+        return torch.cat(parts)
+    given = value
+    if type(value).__module__.startswith("PIL."):  # (H, W) or (H, W, C) pixels
+        import numpy as np
+
+        pixels = np.asarray(value if value.mode in ("L", "RGB") else value.convert("RGB"))
+        value = torch.from_numpy(pixels.copy())
+        value = value if value.ndim == 2 else value.permute(2, 0, 1)
+    elif not isinstance(value, torch.Tensor):
+        if type(value).__module__ != "numpy":
+            raise TypeError(f"loop.log_images: {key!r} is a {type(value).__module__}.{type(value).__qualname__}: "
+                            "give a tensor, a numpy array or a PIL image (or a list of them)")
+        value = torch.as_tensor(value)
+    shape = list(value.shape)
+    problem = None
+    if value.ndim not in (2, 3, 4):
+        problem = "an image is (H, W), (C, H, W) or a batch (N, C, H, W)"
+    elif value.ndim > 2 and shape[-3] not in (1, 3):
+        problem = "channels come first, 1 (grey) or 3 (RGB) of them"
+        if shape[-1] in (1, 3):
+            problem += (": for channels last use .permute(2, 0, 1)" if value.ndim == 3
+                        else ": for channels last use .permute(0, 3, 1, 2)")
+    elif not (value.is_floating_point() or value.dtype == torch.uint8):
+        problem = "pixels are floats in [0, 1] or uint8 in [0, 255]"
+    if problem is not None:
+        what = "tensor" if isinstance(given, torch.Tensor) else type(given).__name__
+        raise ValueError(f"loop.log_images: {key!r} is a {what} of shape {shape} ({value.dtype}): {problem}")
+    batch: torch.Tensor = value
+    while batch.ndim < 4:
+        batch = batch.unsqueeze(0)
+    return batch
+
+
+def image_list(batch: torch.Tensor) -> list[Any]:
+    """An ``(N, C, H, W)`` CPU batch as the list of images most trackers take
+    (Accelerate's ``log_images`` convention): ``uint8`` numpy arrays ``(H,
+    W, 3)``, or ``(H, W)`` for grey; floats scaled as TensorBoard scales them
+    (``x * 255``, clipped), so that every tracker shows the same pixels."""
+    if batch.dtype != torch.uint8:
+        batch = (batch.float() * 255).clamp(0, 255).to(torch.uint8)
+    pixels = batch.permute(0, 2, 3, 1).numpy()
+    return [image[..., 0] if image.shape[-1] == 1 else image for image in pixels]
+
+
+def send_images(trackers: Sequence[Any], images: Mapping[str, torch.Tensor], step: int) -> list[str]:
+    """Each of ``images`` (``(N, C, H, W)`` CPU tensors) to every tracker with
+    a ``log_images`` method, in the form it takes: TensorBoard the batch
+    (``add_images``), Aim and ClearML one image per key (``key/0``,
+    ``key/1``, ... for a batch of several), the others (W&B, SwanLab, a
+    tracker of your own) a list of images per key (:func:`image_list`).
+    Returns the names of the trackers that take no images."""
+    refused: list[str] = []
+    lists: dict[str, list[Any]] | None = None  # made once, for the trackers that take lists
+    for tracker in trackers:
+        name = getattr(tracker, "name", None) or type(tracker).__name__
+        log_images = getattr(tracker, "log_images", None)
+        if log_images is None:
+            refused.append(name)
+            continue
+        if name == "tensorboard":
+            log_images(dict(images), step=step)
+            continue
+        if lists is None:
+            lists = {key: image_list(batch) for key, batch in images.items()}
+        if name in ONE_IMAGE_TRACKERS:
+            log_images({key if len(each) == 1 else f"{key}/{i}": image
+                        for key, each in lists.items() for i, image in enumerate(each)}, step=step)
+        else:
+            log_images(lists, step=step)
+    return refused
 
 
 class TrackerSession:

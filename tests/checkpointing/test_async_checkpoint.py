@@ -9,7 +9,9 @@ import io
 import json
 import os
 import re
+import signal
 import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -174,7 +176,9 @@ def test_the_files_are_accelerates_and_accelerator_load_state_reads_them(tmp_pat
 # -- in flight ---------------------------------------------------------------------------
 
 
-def test_training_goes_on_during_the_write_and_the_next_save_waits_for_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("start", ["fork", "interpreter"])  # (Linux's writer; macOS's, a new python)
+def test_training_goes_on_during_the_write_and_the_next_save_waits_for_it(tmp_path, monkeypatch, start):
+    monkeypatch.setattr(writer, "START", start)
     hold = Hold(monkeypatch, tmp_path / "events", "step-00000004")
     # at update 5, the save of update 4 is held mid-write: latest names update 2's
     watch = Watch(tmp_path, hold, at={5: lambda loop: hold.release(after=0.2)})
@@ -191,6 +195,117 @@ def test_training_goes_on_during_the_write_and_the_next_save_waits_for_it(tmp_pa
         "step-00000002", "step-00000004", "step-00000006", "step-00000007"]
     assert read_latest(tmp_path) == "step-00000007"  # the fit's end waited for its last save
     assert checkpoint.last_saved == tmp_path / "step-00000007"
+
+
+class FirstSave:
+    """Records, when the first save of a fit is asked for (before_save_checkpoint),
+    the writers that are ready then (their ``ready`` events) and alive."""
+
+    name = "first_save"
+
+    def __init__(self, events):
+        self.events, self.seen = events, None
+
+    @hookimpl
+    def before_save_checkpoint(self, checkpoint):
+        if self.seen is None:
+            ready = [e[1] for e in writer_setup.read(self.events) if e[0] == "ready"]
+            self.seen = (checkpoint.name, [pid for pid in ready if _alive(pid)])
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_the_writer_is_ready_before_the_first_save_and_only_a_fit_that_saves_asynchronously_has_one(
+        tmp_path, monkeypatch):
+    """The writer process of a fit with ``Checkpoint(asynchronous=True)`` is running and
+    waiting for work (its setup done) when the fit's first save is asked for, so that
+    no save waits for a writer's start-up (0.4's writer was a new interpreter, ready
+    1.5-4 s after the loop was built: the first save's job waited in its pipe, and the
+    second save ~1 s for the first). One writer serves every save of the fit. A fit
+    with a synchronous Checkpoint, or with none, starts no writer."""
+    events = tmp_path / "events.jsonl"
+    writer_setup.use(monkeypatch, events=str(events))
+    first = FirstSave(events)
+    loop, _ = make(tmp_path / "async", first)
+    loop.fit(max_steps=6)
+    name, ready = first.seen
+    assert name == "step-00000002"
+    assert len(ready) == 1 and ready[0] != os.getpid(), \
+        f"no writer process was ready when {name} was asked for: {writer_setup.read(events)}"
+    assert [e for e in writer_setup.read(events) if e[0] == "ready"] == [("ready", ready[0])]  # one, reused
+    assert read_latest(tmp_path / "async") == "step-00000006"
+    loop.close()
+    assert not _alive(ready[0]) or _zombie(ready[0])  # closed with its loop
+
+    events.unlink()
+    for plugins in ([Checkpoint(dir=tmp_path / "sync", every_steps=2, signals=None)], []):
+        reset_accelerate()
+        other = tiny_loop(plugins, accelerator=Accelerator())
+        other.fit(max_steps=4)
+        other.close()
+        assert writer_setup.read(events) == [], f"a writer started for plugins {plugins}"
+    assert read_latest(tmp_path / "sync") == "step-00000004"
+
+
+def _zombie(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+class SignalEveryProcess:
+    """At update ``at``, once the writer holds checkpoint ``held`` mid-write: ``signum``
+    to the writer process and to this one, as a cluster that preempts a job signals
+    every process of it (SLURM's scancel, systemd's stop); then the writer goes on."""
+
+    name = "signal_every_process"
+
+    def __init__(self, hold, at, held, signum):
+        self.hold, self.at, self.held, self.signum = hold, at, held, signum
+
+    @hookimpl
+    def after_step(self, loop):
+        if loop.state.global_step != self.at:
+            return
+        deadline = time.monotonic() + 60
+        while ("held", self.held) not in self.hold.events:
+            assert time.monotonic() < deadline, f"the writer never held {self.held}: {self.hold.events}"
+            time.sleep(0.01)
+        (writer_pid,) = [e[1] for e in self.hold.events if e[0] == "ready"]
+        os.kill(writer_pid, self.signum)
+        os.kill(os.getpid(), self.signum)
+        self.hold.release()
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGUSR1"])
+def test_a_preemption_signal_to_every_process_lets_the_save_in_flight_land_before_its_own(
+        tmp_path, monkeypatch, signum):
+    """SIGTERM (or SLURM's SIGUSR1) sent to the training process and to the writer while
+    the writer is writing update 4's checkpoint: the writer leaves the signal to the
+    training process and finishes; the training process stops at its next safe point
+    with a preemption checkpoint, after update 4's is published. (0.4.0.dev0's writer
+    died of the signal: update 4's save failed, and the preemption checkpoint with it.)"""
+    from hookloop.preemption import Preempted
+
+    hold = Hold(monkeypatch, tmp_path / "events", "step-00000004")
+    reset_accelerate()
+    checkpoint = Checkpoint(dir=tmp_path / "ckpt", every_steps=2, keep_last=None, asynchronous=True)
+    loop = tiny_loop([checkpoint, SignalEveryProcess(hold, 5, "step-00000004", getattr(signal, signum))],
+                     accelerator=Accelerator())
+    with pytest.raises(Preempted) as info:
+        loop.fit(epochs=EPOCHS)
+    loop.close()
+    assert info.value.global_step == 5 and info.value.checkpoint == tmp_path / "ckpt" / "step-00000005"
+    assert manifest(tmp_path / "ckpt" / "step-00000004")["reason"] == "every_steps"
+    assert manifest(tmp_path / "ckpt" / "step-00000005")["reason"] == "preempted"
+    assert read_latest(tmp_path / "ckpt") == "step-00000005"
 
 
 def test_the_fit_end_waits_for_the_writer(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import accelerate.optimizer
@@ -15,6 +16,7 @@ from accelerate.data_loader import DataLoaderShard
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import set_seed
+from packaging.version import Version
 from torch.utils.data import DataLoader, TensorDataset
 
 from handwritten import train_by_hand
@@ -25,6 +27,15 @@ from paths import ROOT, SCRIPTS  # noqa: F401
 
 EPOCHS = 2
 SCRIPTS = SCRIPTS
+
+#: the tests of what the fast path does, where there is one: on an Accelerate
+#: release it was not checked against (CI's run on the oldest declared one)
+#: it is off, Loop(...) says so, and the tests of the loop's numbers check
+#: Accelerate's own calls
+verified_only = pytest.mark.skipif(
+    not fastpath.accelerate_verified(),
+    reason=f"accelerate {accelerate.__version__} is not a release the fast path was checked against "
+           f"({' to '.join(fastpath.VERIFIED_RELEASES)}): it is off")
 
 
 def job():
@@ -82,6 +93,9 @@ def same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.skipif(Version(accelerate.__version__) < Version(fastpath.VERIFIED_RELEASES[0]),
+                    reason=f"accelerate {accelerate.__version__} is older than the releases the fast path was "
+                           "checked against: it is off, as Loop(...) warns (the tests below)")
 def test_the_installed_accelerate_is_the_verified_one():
     found = {name: fastpath.fingerprint(f) for name, f in (
         ("AcceleratedOptimizer.step", AcceleratedOptimizer.step),
@@ -99,6 +113,7 @@ def test_the_installed_accelerate_is_the_verified_one():
 
 @pytest.mark.parametrize("accumulation", [1, 3])
 @pytest.mark.parametrize("precision", ["no", "bf16"])
+@verified_only
 def test_trains_bit_for_bit_like_the_hand_written_loop_without_accelerates_lookups(
     precision, accumulation, accelerate_lookups
 ):
@@ -151,6 +166,63 @@ def test_a_method_replaced_on_accelerates_class_turns_it_off(monkeypatch):
     assert len(calls) == EPOCHS * 10
 
 
+# -- another Accelerate release: said at Loop(...), once per process -----------------------
+
+
+@pytest.fixture
+def unsaid(monkeypatch):
+    """The warning not said yet in this process (as in a fresh one)."""
+    monkeypatch.setattr(fastpath, "_said", False)
+
+
+def another_release(monkeypatch):
+    """The installed Accelerate as another release: its zero_grad's code is
+    not the verified one (as Accelerate's own, not replaced at run time)."""
+    monkeypatch.setitem(fastpath.VERIFIED, "AcceleratedOptimizer.zero_grad", {"0" * 16})
+
+
+def release_warnings(build):
+    """The warnings of an unverified release while ``build`` runs."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build()
+    return [w for w in caught if "is not a release hookloop's fast path was checked against" in str(w.message)]
+
+
+def a_loop():
+    model = torch.nn.Linear(3, 1)
+    return Loop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                train_data=[(torch.ones(2, 3), torch.ones(2, 1))], block=["progress"])
+
+
+def test_another_accelerate_release_is_said_once_at_loop(monkeypatch, unsaid):
+    another_release(monkeypatch)
+    said = release_warnings(lambda: (a_loop(), a_loop()))  # two Loops in one process: said once
+    assert len(said) == 1 and said[0].category is RuntimeWarning
+    assert said[0].filename == __file__  # at the user's Loop(...)
+    text = str(said[0].message)
+    assert f"hookloop: accelerate {accelerate.__version__} is not a release" in text
+    assert f"({fastpath.VERIFIED_RELEASES[0]} to {fastpath.VERIFIED_RELEASES[1]}; its " in text
+    assert "AcceleratedOptimizer.zero_grad" in text.split("; its ")[1].split(" differ)")[0]
+    assert "every step makes Accelerate's own calls: the same numbers" in text
+    assert "HOOKLOOP_ACCELERATE_FASTPATH=0" in text
+
+
+def test_another_release_switched_off_by_the_environment_is_not_said(monkeypatch, unsaid):
+    another_release(monkeypatch)
+    monkeypatch.setenv(fastpath.ENV, "0")
+    assert release_warnings(a_loop) == []
+
+
+@verified_only
+def test_a_checked_release_or_a_method_replaced_at_run_time_is_not_said(monkeypatch, unsaid):
+    """A profiler's or a plugin's wrapper on Accelerate's class turns the fast
+    path off (above) without a word: its author knows."""
+    assert release_warnings(a_loop) == []
+    monkeypatch.setattr(AcceleratedOptimizer, "step", lambda self, closure=None: None)
+    assert release_warnings(a_loop) == []
+
+
 class WrapOptimizer:
     """Wraps the prepared optimizer's step and zero_grad at fit start, as a
     profiling or step-counting plugin would."""
@@ -197,6 +269,7 @@ def test_an_accelerator_subclass_keeps_its_own_backward():
     assert not loop.fastpath.plain_backward
 
 
+@verified_only
 def test_an_optimizer_with_a_gradient_scaler_gets_accelerates_step():
     """fp16 (a GPU's case): the scaler must unscale, check for inf and update."""
     reset_accelerate()
@@ -215,6 +288,7 @@ def test_an_optimizer_with_a_gradient_scaler_gets_accelerates_step():
 
 
 @pytest.mark.slow
+@verified_only
 def test_two_processes_train_bit_for_bit_like_the_hand_written_loop(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
@@ -254,6 +328,7 @@ def accelerate_state_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("accumulation", [1, 3])
+@verified_only
 def test_the_scheduler_steps_as_accelerates_wrapper_without_its_per_call_state(
     accumulation, accelerate_state_calls
 ):
@@ -298,6 +373,7 @@ def _loader(acc):
                                   generator=torch.Generator().manual_seed(0)))
 
 
+@verified_only
 def test_batches_come_as_accelerate_yields_them_with_the_last_one_flagged():
     reset_accelerate()
     acc = Accelerator()
@@ -312,6 +388,7 @@ def test_batches_come_as_accelerate_yields_them_with_the_last_one_flagged():
     assert len(seen) == 4 and all(torch.equal(a, b) for a, b in zip(seen_fast, seen, strict=True))
 
 
+@verified_only
 def test_the_end_of_the_data_is_read_as_accelerates_property_reads_it():
     """The loop asks after every batch whether it was the last: the fast path's
     answer is gradient_state.end_of_dataloader's, with no loader, with the
@@ -337,6 +414,7 @@ def test_the_end_of_the_data_is_read_as_accelerates_property_reads_it():
     assert both() == (False, False)
 
 
+@verified_only
 def test_a_loader_skipping_a_resumed_epoch_s_first_batches_yields_the_same_rest():
     reset_accelerate()
     acc = Accelerator()
@@ -346,6 +424,7 @@ def test_a_loader_skipping_a_resumed_epoch_s_first_batches_yields_the_same_rest(
     assert len(rest) == 3 and all(torch.equal(a, b) for a, b in zip(rest_fast, rest, strict=True))
 
 
+@verified_only
 def test_batches_fall_back_to_accelerate_where_they_would_move():
     reset_accelerate()
     acc = Accelerator()

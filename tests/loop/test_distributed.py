@@ -53,6 +53,8 @@ def test_eval_every_predict_and_a_second_loop_in_two_processes(tmp_path):
         # every evaluation saw each of the 21 examples exactly once over both ranks
         assert r["evaluations"] == [list(range(21))] * 4 and r["eval_lengths"] == [21] * 4
         assert r["predict_shape"] == [21, 3] and r["predict_matches"]
+        # per-token outputs of other lengths per batch and process: padded with -100, in place
+        assert r["ragged_shape"] == [21, 7, 3] and r["ragged_padding_matches"] and r["ragged_values_match"]
         # loop.log(on_epoch=True): over the epoch and both ranks; a key one rank logged
         assert r["epoch_values"] == {"rank_mean": 0.5, "rank_max": 1.0, "only_on_one": 7.0}
         # the second Loop trained after the first was closed

@@ -75,7 +75,7 @@ class StepWindow:
         self.steps += 1
 
 
-def run(tiny_loop, monkeypatch, plugins=(), steps=40, progress=True):
+def run(tiny_loop, monkeypatch, plugins=(), steps=40, progress=True, lines=False):
     # as on an accelerator: FiniteCheck keeps the losses and checks them every 100 steps
     monkeypatch.setattr(FiniteCheck, "_host_device", staticmethod(lambda loop: False))
     mode = CountSyncs()
@@ -84,7 +84,9 @@ def run(tiny_loop, monkeypatch, plugins=(), steps=40, progress=True):
     loop = tiny_loop([window, *plugins], n=8 * steps, block=block)
     network = loop.networks["model"]
     network.model = OnDevice(network.model)
-    if progress:
+    if progress and lines:
+        loop.plugins.get("progress").lines = True  # its plain lines (as off a terminal)
+    elif progress:
         loop.plugins.get("progress").disable = False  # draw it, even off a terminal
     with mode:
         loop.fit(max_steps=steps)
@@ -119,3 +121,15 @@ def test_the_progress_bar_shows_a_loss_it_copied_without_waiting(tiny_loop, monk
     calls = run(tiny_loop, monkeypatch, steps=30)
     assert calls == []
     assert "loss=" in capsys.readouterr().err  # tqdm writes to stderr
+
+
+def test_the_progress_lines_show_losses_and_logged_values_copied_without_waiting(tiny_loop, monkeypatch, capsys):
+    class LogsOutputs:  # a device scalar given to loop.log, no tracker: the lines show it
+        @hookimpl
+        def after_step(self, loop, outputs):
+            loop.log({"outputs_mean": outputs.mean()})
+
+    calls = run(tiny_loop, monkeypatch, [LogsOutputs()], steps=30, lines=True)
+    assert calls == []
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("update ")]
+    assert len(lines) == 11 and all(" | loss " in line and " outputs_mean " in line for line in lines), lines

@@ -69,12 +69,32 @@ plain = loop.networks["model"].unwrapped
 plain.eval()
 with torch.no_grad():
     expected = plain(x[:21])
+
+# per-token outputs: sequences as long as their batch of 4 says, so the two
+# processes' batches (0, 2, 4 and 1, 3, 5) differ in length at every step
+lengths = [3, 5, 2, 6, 4, 7]
+tokens = [torch.randn(lengths[i // 4], 8) for i in range(21)]
+
+
+def pad_batch(rows):
+    longest = max(len(r) for r in rows)
+    return torch.stack([torch.cat([r, r.new_zeros(longest - len(r), 8)]) for r in rows])
+
+
+ragged = loop.predict(DataLoader(tokens, batch_size=4, collate_fn=pad_batch))
+with torch.no_grad():
+    ragged_expected = torch.full((21, max(lengths), 3), -100.0)
+    for i, seq in enumerate(tokens):
+        ragged_expected[i, :len(seq)] = plain(seq)
 report = {
     "num_processes": accelerator.num_processes,
     "evaluations": [sorted(e) for e in seen.evaluations],
     "eval_lengths": [len(e) for e in seen.evaluations],
     "predict_shape": list(predicted.shape),
     "predict_matches": bool(torch.allclose(predicted, expected, atol=1e-5)),
+    "ragged_shape": list(ragged.shape),
+    "ragged_padding_matches": bool(torch.equal(ragged == -100, ragged_expected == -100)),
+    "ragged_values_match": bool(torch.allclose(ragged, ragged_expected, atol=1e-5)),
     "first_global_step": loop.state.global_step,
     "epoch_values": {k: epoch_metrics[k] for k in ("rank_mean", "rank_max", "only_on_one")},
 }

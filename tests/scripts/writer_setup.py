@@ -1,10 +1,12 @@
-"""What the tests do inside an asynchronous save's writer process, which runs
-``python -m hookloop.checkpointing.writer`` and so sees none of a test's
-monkeypatches. :func:`use` (in the training process, before its first
-asynchronous save) makes the writer run :func:`setup`, configured by JSON
-in ``HOOKLOOP_TEST_WRITER``:
+"""What the tests do inside an asynchronous save's writer process, a process
+of its own (on Linux a fork of the training process, made when the fit
+starts: it has the monkeypatches made before then, and none made after;
+elsewhere a new ``python``, which has none). :func:`use` (in the training
+process, before its fit or its first asynchronous save) makes the writer
+run :func:`setup`, configured by JSON in ``HOOKLOOP_TEST_WRITER``:
 
 - ``events``: a file where the writer appends one JSON line per event:
+  ``["ready", pid]`` (this setup ran: the writer waits for work),
   ``["write", name]`` (its model file begins), ``["held", name]``,
   ``["published", name]`` (the training process appends its own with
   :func:`record`, so that both are in one order);
@@ -107,3 +109,4 @@ def setup() -> None:
         return write_latest(*args, **kwargs)
 
     writer.write_file, writer.publish, layout.write_latest = held_write, slow_publish, slow_latest
+    note("ready", os.getpid())  # (set up: next, it waits for work)

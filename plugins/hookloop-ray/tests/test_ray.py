@@ -1,9 +1,11 @@
 """hookloop-ray on a Ray cluster of this machine (``ray.init(num_cpus=2)``,
 ``TorchTrainer`` with two CPU workers, gloo): a run whose rank-1 worker dies
-once after the first reported checkpoint is restarted by Ray
-(``FailureConfig(max_failures=1)``), resumes from the checkpoint Ray gives
-back and ends bit for bit where an uninterrupted run ends; ``Result.metrics``
-has the evaluation's loss, ``Result.checkpoint`` is the last checkpoint.
+twice at once after a report (before Ray's controller registers it: Ray
+gives back no checkpoint, or an older one) is restarted by Ray
+(``FailureConfig(max_failures=2)``), resumes each time from the newest
+checkpoint published before the death and ends bit for bit where an
+uninterrupted run ends; ``Result.metrics`` has the evaluation's loss,
+``Result.checkpoint`` is the last checkpoint.
 Each run is a fresh ``python ray_run.py`` (Ray pickles its ``train_func`` by
 value from a script's ``__main__``)."""
 
@@ -15,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from hookloop.checkpointing import read_manifest
 
 HERE = Path(__file__).resolve().parent
 
@@ -32,16 +36,25 @@ def lines(file):
 
 
 @pytest.mark.slow
-def test_a_worker_that_dies_is_restarted_by_ray_and_resumes_bit_for_bit(tmp_path):
+def test_a_worker_that_dies_at_once_after_a_report_is_restarted_by_ray_and_resumes_bit_for_bit(tmp_path):
     reference = run(tmp_path / "reference")
     assert [s["global_step"] for s in lines(tmp_path / "reference" / "starts.jsonl")] == [0]
-    result = run(tmp_path / "run", "--fail-once")
+    result = run(tmp_path / "run", "--fail")
     starts = lines(tmp_path / "run" / "starts.jsonl")
-    # Ray's process group taken as it is: two processes of a multi-CPU run, twice
-    assert [(s["num_processes"], s["distributed_type"]) for s in starts] == [(2, "MULTI_CPU")] * 2
-    died_at = int((tmp_path / "run" / "failed").read_text())
-    assert starts[0]["global_step"] == 0 and starts[1]["global_step"] == 3 < died_at  # Ray's checkpoint
-    assert "checkpoint_" in starts[1]["resumed_from"]  # Ray's copy, not hookloop's folder
+    # Ray's process group taken as it is: two processes of a multi-CPU run, three times
+    assert [(s["num_processes"], s["distributed_type"]) for s in starts] == [(2, "MULTI_CPU")] * 3
+    failures = lines(tmp_path / "run" / "failures.jsonl")
+    # the first death right after the first report (update 3), the second two updates after the
+    # restarted attempt's first report (the epoch end, update 4), before that safe point's save
+    assert [(f["global_step"], f["last_saved"]) for f in failures] == [
+        (3, "step-00000003"), (6, "step-00000004-epoch-end")]
+    assert starts[0]["global_step"] == 0 and starts[0]["resumed_from"] == "None"
+    for start, failure in zip(starts[1:], failures, strict=True):
+        # the newest checkpoint published before the death: the folder's (Ray never registered it)
+        # or Ray's copy of the same one, never an older one nor a refusal to start
+        newest = read_manifest(tmp_path / "run" / "checkpoints" / failure["last_saved"])["loop"]
+        assert read_manifest(start["resumed_from"])["loop"] == newest
+        assert start["global_step"] == newest["global_step"]
     a = torch.load(tmp_path / "reference" / "params.pt", weights_only=True)
     b = torch.load(tmp_path / "run" / "params.pt", weights_only=True)
     assert [k for k in a if not torch.equal(a[k], b[k])] == []

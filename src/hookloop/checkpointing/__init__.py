@@ -86,7 +86,7 @@ from .layout import (
     read_latest,
     sort_key,
 )
-from .loading import find, load, load_weights, resolve
+from .loading import WeightsLoaded, find, load, load_weights, resolve
 from .manifest import read_manifest
 from .reading import Staged, stage
 from .runs import (
@@ -120,6 +120,6 @@ __all__ = [
     "first_nonfinite",
     "first_nonfinite_update", "foreign_checkpoints", "list_checkpoints", "load", "load_script",
     "load_weights", "owns", "read_latest", "read_manifest", "resolve", "run_identity", "run_settings",
-    "save", "script_folder", "stage", "stateful_plugins",
+    "save", "script_folder", "stage", "stateful_plugins", "WeightsLoaded",
 ]
 _sort_key, _NAME, _restore_generators = sort_key, NAME_PATTERN, restore_generators  # 0.2's private names

@@ -142,6 +142,47 @@ def describe(loop, files, unprepared=None) -> dict:
     return out
 
 
+# -- tensor names: a compiled model's and its eager model's ---------------------------------
+
+#: the attribute under which ``torch.compile``'s wrapper (``OptimizedModule``)
+#: holds the model: a component of every tensor name of its ``state_dict``
+#: (``_orig_mod.0.weight``; inside the name for a model compiled by regions)
+COMPILED_WRAPPER = "_orig_mod"
+
+
+def plain_name(key: str) -> str:
+    """A tensor's name as the model has it uncompiled: without the
+    ``_orig_mod`` components a compiled model (or compiled region) adds, as
+    ``accelerator.save_model`` and ``torch.distributed.checkpoint`` name it."""
+    if COMPILED_WRAPPER not in key:
+        return key
+    return ".".join(part for part in key.split(".") if part != COMPILED_WRAPPER)
+
+
+def plain_names(state: dict) -> dict:
+    """``state`` (a model's weights) under the plain names (:func:`plain_name`):
+    what hookloop writes, so that a checkpoint is the same whether the model
+    that trained it was compiled or not. ``state`` itself when no name changes."""
+    if not any(COMPILED_WRAPPER in key for key in state):
+        return state
+    return type(state)((plain_name(key), value) for key, value in state.items())
+
+
+def in_model_names(state: dict, names) -> dict:
+    """``state``, a checkpoint's weights under either naming (plain, as
+    hookloop writes them; or a compiled model's, as hookloop up to
+    0.4.0.dev0 and ``accelerator.save_state`` write them), under the names
+    the model it is loaded into uses (``names``: its ``state_dict()``'s
+    keys). A name with no counterpart stays as it is (the shapes check names
+    it); ``state`` itself when the names already agree."""
+    names = set(names)
+    if all(key in names for key in state):
+        return state
+    by_plain = {plain_name(name): name for name in names}
+    renamed = {by_plain.get(plain_name(key), key): value for key, value in state.items()}
+    return renamed if len(renamed) == len(state) else state  # (two names for one tensor: left to the check)
+
+
 # -- writing, as save_state does ------------------------------------------------------------
 
 
@@ -170,6 +211,7 @@ def heavy_states(acc, folder) -> list:
     state = PartialState()
     if not (state.is_local_main_process if acc.project_configuration.save_on_each_node else state.is_main_process):
         return []
+    weights = [plain_names(w) for w in weights]  # (a compiled model's: as its eager model names them)
     out = [[model_file(i), "safetensors", clean_state_dict_for_safetensors(w) if isinstance(w, OrderedDict) else w,
             {"format": "pt"}] for i, w in enumerate(weights)]  # (cleaned as accelerate.utils.save does)
     return out + [[optimizer_file(i), "torch", o.state_dict(), None] for i, o in enumerate(acc._optimizers)]

@@ -16,7 +16,7 @@ from . import elastic, formats
 from .codec import stateful_plugins
 from .elastic import SETTINGS, Plan  # noqa: F401 - SETTINGS: importable from here as in 0.3.0
 from .errors import CheckpointError
-from .reading import compare_shapes
+from .reading import compare_shapes, match_models
 
 
 def run_settings(loop) -> dict:
@@ -108,13 +108,13 @@ def _check_networks(loop, doc: dict, where: str) -> None:
 
 def check_shapes(loop, staged, where: str) -> None:
     """The tensor names and shapes of the staged models (or, sharded, in
-    DCP's metadata) against the loop's."""
+    DCP's metadata) against the loop's; the staged weights put under the
+    names of the models they are restored into (:func:`~.reading.match_models`:
+    a compiled run's checkpoint into an eager model, and the reverse)."""
     for saved, shapes, network, rel in formats.dcp_shapes(loop, staged.sharded) if staged.sharded else ():
         compare_shapes(saved, shapes, network, where, rel)
-    owner = {entry["model"]: name for name, entry in formats.describe_networks(loop).items()}
-    for i, (state, model) in enumerate(zip(staged.models, accel.models(loop.accelerator))):
-        compare_shapes({k: tuple(v.shape) for k, v in state.items()}, model.state_dict(),
-                       owner.get(accel.model_file(i), f"accelerator model #{i}"), where)
+    staged.models = match_models(staged.models, accel.models(loop.accelerator), formats.describe_networks(loop),
+                                 where)
 
 
 def _check_plugins(loop, doc: dict, where: str, strict: bool) -> list[str]:

@@ -10,7 +10,7 @@ import io
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -25,7 +25,7 @@ from .finite import first_nonfinite
 from .layout import LATEST, STATE_FILE, list_checkpoints, read_latest
 from .lock import refuse_live_run
 from .manifest import peek, read_manifest
-from .reading import Folder, Staged, compare_shapes, read_rank_file, read_weights, stage
+from .reading import Folder, Staged, fitting_weights, match_weights, read_rank_file, read_weights, stage
 from .runs import adopt_run, trusted_pickles
 
 #: torch optimizer state entries that have their parameter's shape
@@ -378,12 +378,17 @@ def _check_groups(state: dict, now_groups, where, network, rel, cls) -> None:
 # -- a new run from a checkpoint's weights ---------------------------------------------
 
 
-def load_weights(loop, path, *, staged: Staged | None = None) -> Path:
+def load_weights(loop, path, *, staged: Staged | None = None, strict: bool = True):
     """Every network's weights from checkpoint ``path``, and nothing else
     (``Loop.load_checkpoint(path, weights_only=True)``), on any number of
     processes and run settings: from a hookloop checkpoint by network name,
     from a folder of Accelerate's plain format by the models' order. All
-    processes fail together, with nothing changed."""
+    processes fail together, with nothing changed. Returns ``path``.
+
+    ``strict=False``: every tensor whose name and shape fit is loaded, the
+    others stay as they are (a new classifier head); returns a
+    :class:`WeightsLoaded` naming, per network, what was missing, unexpected
+    or of another shape, also said in a warning."""
     acc, path = loop.accelerator, Path(path)
     where = f"checkpoint {str(path)!r}"
     if accel.kind(acc) in elastic.SHARDED:
@@ -415,9 +420,13 @@ def load_weights(loop, path, *, staged: Staged | None = None) -> Path:
             read = read_weights(folder, {n: folder.model_file(index[e["model"]]) for n, e in now.items()})
         else:
             read = _weights_of_checkpoint(path, where, now)
+        reports = {}
         for name, state in read.items():
             model = models[index[now[name]["model"]]]
-            compare_shapes({k: tuple(v.shape) for k, v in state.items()}, model.state_dict(), name, where)
+            if strict:
+                state = match_weights(state, model, name, where)  # (in the model's tensor names)
+            else:
+                state, reports[name] = fitting_weights(state, model)
             floating = [(k, t) for k, t in state.items() if isinstance(t, torch.Tensor) and t.is_floating_point()]
             if (bad := first_nonfinite(t for _, t in floating)) is not None:
                 key, t = floating[bad]
@@ -427,11 +436,47 @@ def load_weights(loop, path, *, staged: Staged | None = None) -> Path:
             states[name] = (model, state)
     for name, (model, state) in states.items():
         try:
-            accel.load_model_state(model, state)
+            if strict:
+                accel.load_model_state(model, state)
+            else:
+                model.load_state_dict(state, strict=False)
         except Exception as exc:  # noqa: BLE001 - checked before; name the network if it still fails
             raise CheckpointError(f"{where}: restoring the weights of network {name!r} failed after "
                                   f"they were checked: {type(exc).__name__}: {exc}") from exc
-    return path
+    if strict:
+        return path
+    loaded = WeightsLoaded(path, *({n: r[k] for n, r in reports.items()}
+                                   for k in ("missing", "unexpected", "mismatched")))
+    if loaded.differences() and acc.is_main_process:
+        warnings.warn(f"hookloop: {loaded.differences()}", RuntimeWarning, stacklevel=3)
+    return loaded
+
+
+class WeightsLoaded(NamedTuple):
+    """What ``load_checkpoint(path, weights_only=True, strict=False)`` loaded:
+    the checkpoint, and per network the tensor names not loaded: ``missing``
+    (the model's, not in the checkpoint), ``unexpected`` (the checkpoint's,
+    not in the model), ``mismatched`` (``name: (checkpoint shape, model
+    shape)``); those of the model keep the values they had."""
+
+    path: Path
+    missing: dict
+    unexpected: dict
+    mismatched: dict
+
+    def differences(self) -> str:
+        """What did not fit, in words ('' if everything did)."""
+        said = []
+        for network in self.missing:
+            parts = [f"{what}: {', '.join(names)}" for what, names in (
+                ("not in the checkpoint (left as they were)", self.missing[network]),
+                ("in the checkpoint, not in the model", self.unexpected[network]),
+                ("another shape in the checkpoint (left as they were)",
+                 [f"{k} {a} in the checkpoint, {b} in the model" for k, (a, b) in self.mismatched[network].items()]),
+            ) if names]
+            if parts:
+                said.append(f"network {network!r}: " + "; ".join(parts))
+        return f"loaded what fits of {self.path}: " + " / ".join(said) if said else ""
 
 
 def _weights_of_checkpoint(path: Path, where: str, now: dict) -> dict:

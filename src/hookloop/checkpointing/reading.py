@@ -297,10 +297,7 @@ def stage_script(loop, folder: Folder, strict: bool) -> tuple[Staged, list[str]]
               "custom_objects": len(accel.custom_objects(acc))}
     staged = read_accelerate(folder, Staged(folder.path, {"accelerate": accel.counts(acc), "files": {}}, rank,
                                             source_rank=rank), counts, label)
-    owner = {entry["model"]: name for name, entry in networks.items()}
-    for i, (state, model) in enumerate(zip(staged.models, accel.models(acc))):
-        compare_shapes({k: tuple(v.shape) for k, v in state.items()}, model.state_dict(),
-                       owner.get(accel.model_file(i), f"#{i}"), where)
+    staged.models = match_models(staged.models, accel.models(acc), networks, where)
     if staged.scaler is None and acc.scaler is not None:
         notes.append(f"{where} holds no {accel.SCALER_FILE}: the gradient scaler starts fresh")
     unclaimed = [accel.custom_file(i) for i in _held(folder, r"^custom_checkpoint_(\d+)\.pkl$")
@@ -315,6 +312,46 @@ def stage_script(loop, folder: Folder, strict: bool) -> tuple[Staged, list[str]]
 def read_weights(folder: Folder, networks: dict) -> dict:
     """Each network's weights (``networks``: name -> its model's file), verified."""
     return {name: folder.tensors(rel, f"the weights of network {name!r}") for name, rel in networks.items()}
+
+
+def match_weights(state: dict, model, network: str, where: str) -> dict:
+    """``state``, a checkpoint's weights for ``model``, under the tensor names
+    ``model`` uses (a compiled model's or its eager model's, whichever the
+    checkpoint has: :func:`~.accelerate.in_model_names`), its names and
+    shapes checked against the model's (:func:`compare_shapes`). What is
+    loaded into ``model`` is what this returns."""
+    expected = model.state_dict()
+    state = accel.in_model_names(state, expected)
+    compare_shapes({k: tuple(v.shape) for k, v in state.items()}, expected, network, where)
+    return state
+
+
+def fitting_weights(state: dict, model) -> tuple[dict, dict]:
+    """What of ``state`` (a checkpoint's weights) fits ``model``: the
+    tensors of the model's names (:func:`match_weights`' renaming) and
+    shapes, and ``{"missing", "unexpected", "mismatched"}``: the model's
+    tensors the checkpoint lacks (a tied tensor's second name aside), the
+    checkpoint's the model lacks, and ``name: (checkpoint shape, model
+    shape)`` of those whose shapes differ (``load_state_dict(strict=False)``
+    and transformers' ``ignore_mismatched_sizes=True``)."""
+    expected = model.state_dict()
+    state = accel.in_model_names(state, expected)
+    mismatched = {k: (list(v.shape), list(expected[k].shape)) for k, v in state.items()
+                  if k in expected and tuple(v.shape) != tuple(expected[k].shape)}
+    fits = {k: v for k, v in state.items() if k in expected and k not in mismatched}
+    loaded = {expected[k].data_ptr() for k in fits}  # (safetensors keeps one name of tied tensors)
+    report = {"missing": [k for k, t in expected.items() if k not in state and t.data_ptr() not in loaded],
+              "unexpected": [k for k in state if k not in expected], "mismatched": mismatched}
+    return fits, report
+
+
+def match_models(states: list, models: list, networks: dict, where: str) -> list:
+    """The staged weights of the accelerator's ``models`` (in order), each
+    through :func:`match_weights`; ``networks``: the run's files of each
+    network (:func:`~.formats.describe_networks`), to name them."""
+    owner = {entry["model"]: name for name, entry in networks.items()}
+    return [match_weights(state, model, owner.get(accel.model_file(i), f"accelerator model #{i}"), where)
+            for i, (state, model) in enumerate(zip(states, models))]
 
 
 def compare_shapes(saved: dict, expected: dict, network: str, where: str, rel: str = "") -> None:

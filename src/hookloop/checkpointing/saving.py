@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .._version import __version__
+from ..schedules import fit_record
 from . import accelerate as accel
 from . import codec, finite, formats, layout, manifest, writer
 from .collective import every_rank
@@ -156,6 +157,18 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
             layout.mark_live(tmp, False)
 
 
+def prepare_asynchronous(loop) -> None:
+    """Before the first asynchronous save of ``loop``: the host buffers its
+    copy will take, allocated in the background (:func:`writer.prepare_buffers`;
+    once per accelerator), when its saves are copied (the plain format, this
+    process writing the models and optimizers)."""
+    acc = loop.accelerator
+    if not (acc.is_main_process and formats.of_accelerator(acc).writes_itself and formats.describe(loop) is None):
+        return
+    writer.prepare_buffers(acc, [m.state_dict() for m in accel.models(acc)]
+                           + [o.state_dict() for o in accel.optimizers(acc)])
+
+
 def _nonfinite(loop, root, name, step, networks, found) -> NonFiniteCheckpoint:
     """The refusal of an asynchronous save whose host copy is not finite,
     naming the network and tensor as a synchronous save does."""
@@ -228,6 +241,8 @@ def _manifest(loop, final: Path, position, networks, plugins, reason, monitor=No
            "crc32": {}, "checksum": manifest.CHECKSUM, "run_id": loop.state.run.id,
            "root": os.path.realpath(final.parent), "settings": run_settings(loop), "classes": classes,
            "checks": {"finite": True}}  # (save() refused non-finite state before writing)
+    if (fit := fit_record(loop)) is not None:  # (a resume that extends it warns: schedules.warn_past_plan)
+        doc["fit"] = fit
     if monitor is not None:
         doc["monitor"] = monitor
     if shards:

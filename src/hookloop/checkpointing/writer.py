@@ -11,9 +11,11 @@ process of its own.
 - :func:`host_copy` copies the models' and optimizers' states at the safe point
   into buffers of shared memory (each storage once, kept from the previous
   save of the same size; pinned and non-blocking from a GPU); a
-  :class:`WriterProcess` (a new ``python``: not a fork, and no
-  re-import of the training script) checks their finiteness and
-  runs :func:`finish` while training goes on, niced, killed with its parent.
+  :class:`WriterProcess` (on Linux a fork of the training process, made
+  when the fit starts and ready within milliseconds; elsewhere a new
+  ``python``, ready once it has imported torch; never a re-import of the
+  training script) checks their finiteness and runs :func:`finish` while
+  training goes on, niced, killed with its parent.
   At most one save per loop is in flight (:func:`start`, :func:`wait`,
   :func:`poll`); a writer that dies is an error at the next safe point.
 """
@@ -23,13 +25,19 @@ from __future__ import annotations
 import contextlib
 import copy as _copy
 import errno
+import gc
 import io
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+import traceback
+import warnings
 import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +48,7 @@ from typing import Any
 
 import torch
 
+from ..preemption import DEFAULT_SIGNALS
 from ..state import RunIdentity
 from . import finite, layout, manifest, safe_read
 from .collective import every_rank
@@ -49,8 +58,10 @@ from .runs import Scan, remove
 
 #: bytes checksummed and written at a time (fits the caches with room to spare)
 CHUNK = 4 << 20
-#: how much nicer than training the writer process runs
-WRITER_NICENESS = 10
+#: how much nicer than training the writer process runs: on busy cores it yields to training,
+#: and still finishes a save before the next one is due (10 starved it there: a write of 100 MB
+#: took 0.5-1.5 s on 2 cores at load 2-3, and the next save, 10 updates later, waited for it)
+WRITER_NICENESS = 5
 #: ``module:function`` run in the writer process when it starts (tests: to slow or hold it)
 SETUP_ENV = "HOOKLOOP_WRITER_SETUP"
 _OPEN = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
@@ -326,11 +337,75 @@ def _alive(pid: int) -> bool:
     return True
 
 
+#: accelerator -> the thread allocating its first host buffers (:func:`prepare_buffers`)
+_PREPARING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_PREPARED: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def prepare_buffers(acc, states: list) -> None:
+    """Allocate, in a thread of their own, the host buffers of ``acc``'s
+    first asynchronous save: one per storage of ``states`` (the models' and
+    optimizers' state dicts as they are now), their pages touched, into the
+    pool the first :func:`host_copy` takes from. What the first save would
+    allocate on the training thread (~25 ms per 100 MB on a quiet machine,
+    several times that on busy cores), allocated once per accelerator while
+    training goes on (the work, but a few Python lines, is outside the GIL).
+    A buffer that fails is left to the save (which names the error)."""
+    if acc in _PREPARED:
+        return
+    _PREPARED.add(acc)
+    sizes, seen = [], set()
+    for state in states:
+        for t in _tensors(state):
+            source = t.untyped_storage()
+            if (t.device, source.data_ptr()) not in seen:
+                seen.add((t.device, source.data_ptr()))
+                sizes.append((source.nbytes(), t.device.type == "cuda"))
+    if not sizes:
+        return
+    free: list = []
+
+    def allocate() -> None:
+        with contextlib.suppress(Exception):
+            for nbytes, pinned in sizes:
+                path, buffer = _buffer(nbytes, pinned)
+                torch.empty((0,), dtype=torch.uint8).set_(buffer, 0, (buffer.nbytes(),), (1,)).zero_()  # (faulted in)
+                free.append((path, buffer))
+
+    thread = threading.Thread(target=allocate, name="hookloop-host-buffers", daemon=True)
+    _PREPARING[acc] = (thread, free)
+    thread.start()
+
+
+def _take_prepared(acc) -> None:
+    """The buffers :func:`prepare_buffers` allocated, into the pool (waiting
+    for the thread when it is still at work)."""
+    preparing = _PREPARING.pop(acc, None)
+    if preparing is not None:
+        thread, free = preparing
+        thread.join()
+        pool = _POOLS.setdefault(acc, {})
+        for path, buffer in free:
+            pool.setdefault(buffer.nbytes(), []).append((path, buffer))
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value)
+
+
 def host_copy(acc, files: list) -> Snapshot:
     """The files to write with every tensor copied to shared host memory, each
     storage once (views and shared storages stay views and shared, as
     ``torch.save`` records them), every container new in its own type and
     order (so that it pickles as the original does)."""
+    _take_prepared(acc)
     pool, out = _POOLS.setdefault(acc, {}), Snapshot(files)
     storages: dict[tuple[Any, int], Any] = {}  # (device, data_ptr) -> host storage
 
@@ -416,31 +491,82 @@ def loads(data: bytes) -> Job:
 
 # -- the writer process ---------------------------------------------------------------------
 
+#: how a writer process starts: ``"fork"`` (Linux): a fork of the training process, torch
+#: imported already, ready within milliseconds of the fit's start; ``"interpreter"``: a new
+#: ``python`` (macOS, where a fork of a process using Apple's frameworks is unsafe), ready
+#: once it has imported torch, 1.5-4 s later: the saves before then wait for it
+START = "fork" if sys.platform.startswith("linux") else "interpreter"
+#: seconds a forked writer may take to say it is ready (its setup hook included)
+READY_TIMEOUT = 60.0
+
 
 class WriterProcess:
-    """The writer process (:func:`main`): jobs in, results out, over
-    a pipe pair; it exits when its pipe closes or its parent dies."""
+    """The writer process (:func:`_serve`): jobs in, results out, over a
+    pipe pair; it exits when its pipe closes or its parent dies. Its first
+    message says it is ready (:meth:`wait_ready`)."""
 
-    def __init__(self):
+    def __init__(self, start: str | None = None):
         jobs_read, jobs_write = os.pipe()
         results_read, results_write = os.pipe()
-        package = str(Path(__file__).resolve().parents[2])  # (found even if a script put it on sys.path)
-        env = {**os.environ, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, (package, os.environ.get("PYTHONPATH"))))}
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", "from hookloop.checkpointing.writer import main; main()", str(jobs_read),
-             str(results_write), str(os.getpid())], pass_fds=(jobs_read, results_write), env=env, stdin=subprocess.DEVNULL)
-        os.close(jobs_read)
-        os.close(results_write)
+        self.ready = False
+        try:
+            if (start or START) == "fork":
+                self.process: Any = _fork(jobs_read, results_write)
+            else:
+                package = str(Path(__file__).resolve().parents[2])  # (found even if a script put it on sys.path)
+                env = {**os.environ, "OMP_NUM_THREADS": "1",
+                       "PYTHONPATH": os.pathsep.join(filter(None, (package, os.environ.get("PYTHONPATH"))))}
+                self.process = subprocess.Popen(
+                    [sys.executable, "-c", "from hookloop.checkpointing.writer import main; main()",
+                     str(jobs_read), str(results_write), str(os.getpid())], pass_fds=(jobs_read, results_write),
+                    env=env, stdin=subprocess.DEVNULL)
+        except BaseException:
+            for fd in (jobs_write, results_read):
+                os.close(fd)
+            raise
+        finally:
+            os.close(jobs_read)
+            os.close(results_write)
         self.jobs, self.results = Connection(jobs_write, readable=False), Connection(results_read, writable=False)
 
     @property
     def pid(self) -> int:
-        return self.process.pid
+        return int(self.process.pid)
 
     def dead(self) -> int | None:
         """Its exit status once it has ended, else None."""
         return self.process.poll()
+
+    def receive(self, timeout: float) -> tuple | None:
+        """The next answer to a job, waiting up to ``timeout`` seconds (None:
+        none yet); the ready message is taken on the way."""
+        while self.results.poll(timeout):
+            message = self.results.recv()
+            if message[0] != "ready":
+                return message
+            self.ready = True
+        return None
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
+        """Wait for its ready message; a :class:`CheckpointError` naming it
+        if it ended, or was not ready within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self.ready:
+            with contextlib.suppress(EOFError, OSError):
+                if self.results.poll(min(0.2, max(deadline - time.monotonic(), 0))):
+                    message = self.results.recv()
+                    if message[0] != "ready":
+                        raise CheckpointError(f"the checkpoint writer process (pid {self.pid}) answered "
+                                              f"{message!r} before it was ready")
+                    self.ready = True
+                    return
+            status = self.dead()
+            if status is not None:
+                raise CheckpointError(f"the checkpoint writer process (pid {self.pid}) exited with status "
+                                      f"{status} before it was ready (its error is on stderr)")
+            if time.monotonic() >= deadline:
+                raise CheckpointError(f"the checkpoint writer process (pid {self.pid}) was not ready within "
+                                      f"{timeout:.0f} s of its start")
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -451,15 +577,118 @@ class WriterProcess:
             self.process.kill()
 
 
+class _Child:
+    """A forked writer, as much of ``subprocess.Popen`` as
+    :class:`WriterProcess` uses (``pid``, ``poll``, ``wait``, ``kill``)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None  # type: int, int | None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # (reaped by someone else: SIGCHLD ignored)
+                self.returncode = 0
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"writer process {self.pid}", timeout)
+            time.sleep(0.005)
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.wait(timeout=5)
+
+
+def _fork(jobs_read: int, results_write: int) -> _Child:
+    """Fork the writer process off the training process. The child keeps
+    of the parent only what :func:`_serve` uses: torch and this module,
+    already imported (no start-up to wait for). It closes every other
+    inherited file descriptor (a root's ``flock``, sockets, other writers'
+    pipes: none stays open because a writer lives), never collects or
+    touches the parent's objects (``gc.freeze``: no copy-on-write of their
+    pages, no finalizer of theirs runs: the host buffers stay the parent's to
+    remove), runs no ``atexit`` handler of the parent's (``os._exit``), and
+    uses no CUDA, no thread of the parent's and no lock another thread may
+    hold (torch single-threaded, as in a DataLoader worker, which is forked the
+    same way); so a fork of a multi-threaded process is safe here, and
+    Python's warning about it (3.12+) is silenced."""
+    import ctypes  # noqa: F401 - what the child imports, imported here: a module that another thread
+    import safetensors.torch  # noqa: F401 - is importing at the fork would stay locked in the child
+
+    for stream in (sys.stdout, sys.stderr):  # (else the child would write the parent's buffered text again)
+        with contextlib.suppress(Exception):
+            stream.flush()
+    parent = os.getpid()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid:
+        return _Child(pid)
+    status = 1
+    try:  # the writer: it never returns into the training process's code
+        gc.freeze()
+        for number in _python_handled():  # the training process's to handle (the preemption plugin's)
+            signal.signal(number, signal.SIG_DFL if number == signal.SIGCHLD else signal.SIG_IGN)
+        keep = {0, 1, 2, jobs_read, results_write}
+        for fd in sorted(map(int, os.listdir("/proc/self/fd"))):
+            if fd not in keep:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        with contextlib.suppress(OSError):  # the process's own stdout and stderr, as a new python's (not an
+            sys.stdout = open(1, "w", buffering=1, closefd=False)  # object of the parent's: a notebook's)
+            sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
+        _serve(Connection(jobs_read, writable=False), Connection(results_write, readable=False), parent)
+        status = 0
+    except BaseException:  # noqa: BLE001 - the child's last words, then out
+        with contextlib.suppress(Exception):
+            traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os._exit(status)
+
+
+def _python_handled() -> list:
+    """The signals with a Python handler in this process (the preemption
+    plugin's, a test runner's): a forked writer runs none of them."""
+    out = []
+    for number in signal.valid_signals():
+        with contextlib.suppress(ValueError, OSError, TypeError):
+            if callable(signal.getsignal(number)):
+                out.append(number)
+    return out
+
+
 def _serve(jobs: Connection, results: Connection, parent: int) -> None:
-    """The writer process's loop: each job's finiteness, then :func:`finish`."""
+    """The writer process's loop: each job's finiteness, then :func:`finish`.
+    Ctrl-C and the preemption signals (sent to the whole process group, or
+    to every process of a job by a cluster that preempts it) are the
+    training process's to handle: the writer ignores them and finishes the
+    save in flight, which the training process waits for before its own
+    checkpoint; it ends with its pipe, or with its parent."""
     with contextlib.suppress(OSError, AttributeError):
         os.nice(WRITER_NICENESS)  # on busy cores it takes the time training leaves
     with contextlib.suppress(Exception):  # Linux: killed with its parent, never left writing alone
         import ctypes
-        import signal
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        return  # (orphaned before the line above: the run that started it is gone)
+    for name in DEFAULT_SIGNALS:  # (SIGINT, SIGTERM, SIGUSR1)
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
     torch.set_num_threads(1)
     if os.environ.get(SETUP_ENV):
         import importlib
@@ -468,6 +697,7 @@ def _serve(jobs: Connection, results: Connection, parent: int) -> None:
         module, _, function = os.environ[SETUP_ENV].rpartition(":")  # (a module, or a file: a.py)
         names = runpy.run_path(module) if module.endswith(".py") else vars(importlib.import_module(module))
         names[function]()
+    results.send(("ready", os.getpid()))
     while True:
         try:
             data = jobs.recv_bytes()
@@ -512,14 +742,32 @@ _PENDING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _WRITERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def writer_of(loop) -> WriterProcess:
-    """The writer process of ``loop`` (started the first time: its start-up
-    overlaps training), closed with the loop."""
+def writer_of(loop, ready: bool = False) -> WriterProcess:
+    """The writer process of ``loop`` (started the first time; again if it
+    died since), closed with the loop. ``ready``: a forked writer has said it
+    is ready before this returns (milliseconds: no save waits for it later);
+    a new interpreter's start-up is never waited for here (it overlaps
+    training; the first job waits in its pipe)."""
     process = _WRITERS.get(loop)
     if process is None or process.dead() is not None:
         process = _WRITERS[loop] = WriterProcess()
         weakref.finalize(loop, process.close)
+    if ready and not process.ready and isinstance(process.process, _Child):
+        try:
+            process.wait_ready()
+        except CheckpointError:
+            _WRITERS.pop(loop, None)
+            process.close()
+            raise
     return process
+
+
+def start_early(loop) -> None:
+    """When a loop with asynchronous saves is built: a writer that is a new
+    interpreter starts now, its imports overlapping the loop's own; a forked
+    one waits for the fit (it is ready at once)."""
+    if START != "fork":
+        writer_of(loop)
 
 
 def close(loop) -> None:
@@ -558,8 +806,8 @@ def settle(loop, block: bool = True) -> Pending | None:
         message = None
         while message is None:
             try:
-                if job.writer.results.poll(0.2 if block else 0):
-                    message = job.writer.results.recv()
+                message = job.writer.receive(0.2 if block else 0)
+                if message is not None:
                     continue
             except (EOFError, OSError):
                 pass

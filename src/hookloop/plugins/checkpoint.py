@@ -16,7 +16,7 @@ from .. import checkpointing
 from ..checkpointing import layout, runs
 from ..checkpointing.collective import every_rank
 from ..checkpointing import writer
-from ..checkpointing.saving import poll, wait
+from ..checkpointing.saving import poll, prepare_asynchronous, wait
 from ..markers import hookimpl
 from ..preemption import DEFAULT_SIGNALS
 
@@ -123,6 +123,7 @@ class Checkpoint(checkpointing.CheckpointPolicy):
         self._epoch_ending = False  # between on_train_epoch_end and on_epoch_end
         self._candidate = self._requested = self._saved_position = None
         self._ready = False  # on_fit_start set the directory up
+        self._prepared = False  # the first asynchronous save's host buffers are being allocated
         self._lock = None  # the run lock of the directory while a fit runs (main process)
 
     def directory(self, loop) -> Path:
@@ -152,7 +153,7 @@ class Checkpoint(checkpointing.CheckpointPolicy):
     @hookimpl
     def on_loop_start(self, loop):
         if self.asynchronous and loop.accelerator.is_main_process:
-            writer.writer_of(loop)  # (its start-up, ~2 s of imports, overlaps the loop's own)
+            writer.start_early(loop)  # (a new interpreter's ~2 s of imports overlap the loop's own)
 
     @hookimpl
     def on_loop_end(self, loop):
@@ -178,7 +179,7 @@ class Checkpoint(checkpointing.CheckpointPolicy):
         self._epoch_ending = False
         self._update_best(loop, scan)
         if self.asynchronous and acc.is_main_process:
-            writer.writer_of(loop)  # (started with the loop; again if it died since)
+            writer.writer_of(loop, ready=True)  # (forked now, or again if it died since: ready before any save)
         self._ready = True
 
     @hookimpl
@@ -232,6 +233,9 @@ class Checkpoint(checkpointing.CheckpointPolicy):
         elif fit_end:
             reason = "fit_end"  # every fit ends with a checkpoint of its last position
         else:
+            if self.asynchronous and not self._prepared:  # (once: the state exists after an update)
+                self._prepared = True
+                prepare_asynchronous(loop)  # the first save's host buffers, while training goes on
             return
         self._save(loop, reason, monitor=candidate)
 

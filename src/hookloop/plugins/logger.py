@@ -19,12 +19,16 @@ class Logger:
     completed the update (averaged over processes), every param group's
     learning rate (``lr``, ``lr/group1``, ...; with several networks
     ``lr/<network>``, ``lr/<network>/group1``) and, when a clipping plugin
-    measured it, the gradient norm; at every epoch end, the epoch's metrics.
+    measured it, the gradient norm; with ``console=True``, at every epoch
+    end, the epoch's metrics on one line.
 
     Values go through :meth:`Loop.log` to every tracker Accelerate supports
     (``Accelerator(log_with="tensorboard", project_dir=...)``, W&B, ...,
     or :class:`hookloop.trackers.JSONLinesTracker`) and, with
     ``console=True``, to one printed line. Only the main process writes.
+    The epoch's and the evaluations' metrics reach the trackers through the
+    built-in default :class:`~hookloop.plugins.TrackMetrics`, with or
+    without a Logger (before 0.4 the Logger wrote them).
 
     ``every`` is not 1 by default: reading a loss value synchronises a GPU.
     What it reads from the device, every ``every`` updates and nowhere else:
@@ -84,10 +88,7 @@ class Logger:
 
     @hookimpl
     def on_epoch_end(self, loop: LoopLike, epoch: int, metrics: Mapping[str, float]) -> None:
-        if not metrics:
-            return
-        loop.log({self._prefix + k: v for k, v in {**metrics, "epoch": epoch}.items()})
-        if self.console:
+        if metrics and self.console:  # (the trackers get them from TrackMetrics)
             loop.print(f"epoch {epoch} " + " ".join(f"{k} {_fmt(v)}" for k, v in metrics.items()))
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ..batches import logits_of, loss_of, targets_of
+from ..evaluation import metric_key
 from ..markers import hookimpl
 
 
@@ -34,22 +35,24 @@ class DefaultMetrics:
     changes_training = False
 
     def __init__(self):
-        self._own_loss = False  # this evaluation used the model's own loss
+        self._own_loss = set()  # the evaluation sets evaluated with the model's own loss
 
     @hookimpl
     def on_eval_start(self):
-        self._own_loss = False
+        self._own_loss = set()
 
     @hookimpl(trylast=True)
     def on_eval_end(self, metrics):
-        if self._own_loss and "eval_loss" in metrics:
-            try:
-                metrics["perplexity"] = math.exp(metrics["eval_loss"])
-            except OverflowError:
-                metrics["perplexity"] = float("inf")
+        for eval_set in self._own_loss:
+            loss = metrics.get(metric_key(eval_set, "eval_loss"))
+            if loss is not None:
+                try:
+                    metrics[metric_key(eval_set, "perplexity")] = math.exp(loss)
+                except OverflowError:
+                    metrics[metric_key(eval_set, "perplexity")] = float("inf")
 
     @hookimpl(trylast=True)
-    def after_eval_step(self, loop, batch, outputs):
+    def after_eval_step(self, loop, batch, outputs, eval_set):
         gather = loop.accelerator.gather_for_metrics
         targets = targets_of(batch)
         logits = _logits_or_none(outputs)
@@ -58,7 +61,7 @@ class DefaultMetrics:
             return dict(zip(("eval_loss", "eval_accuracy"), gather(_per_example(logits, targets))))
         loss = loss_of(outputs)
         if loss is not None:  # the model's own loss: it knows how its labels line up
-            self._own_loss = True
+            self._own_loss.add(eval_set)
             n = _batch_size(batch, targets, logits)
             return {"eval_loss": gather(loss.detach().float().reshape(1).repeat(n))}
         if fit:  # one target per position (token classification), no loss from the model
@@ -66,7 +69,7 @@ class DefaultMetrics:
         if logits is None:  # not a model's outputs: name who returned them
             from ..strategies.base import returning_plugin
 
-            who = returning_plugin(loop, "eval_step", loop=loop, batch=batch)
+            who = returning_plugin(loop, "eval_step", loop=loop, batch=batch, eval_set=eval_set)
             exc = TypeError(
                 f"eval_step returned {type(outputs).__name__}" + (f" (plugin {who!r})" if who else "")
                 + ": the default metrics need the model's outputs (logits, .logits or .loss); return "

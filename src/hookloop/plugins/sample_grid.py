@@ -38,6 +38,10 @@ class SampleGrid:
     :param value_range: the generator's output range, mapped to black..white.
     :param scale: each pixel becomes a ``scale`` x ``scale`` block.
     :param network: the name of the network that generates.
+    :param to_trackers: also send each grid (unscaled) to the accelerator's
+        trackers that take images (:meth:`Loop.log_images`: TensorBoard,
+        W&B, ...), under the plugin's name (``samples``), at the update it
+        was drawn at.
 
     ``paths`` lists the files written, in order. Needs Pillow
     (``pip install hookloop[demo]``).
@@ -50,7 +54,7 @@ class SampleGrid:
                  nrow: int | None = None, latent: torch.Tensor | None = None, seed: int = 0,
                  image_shape: Sequence[int] | None = None,
                  value_range: tuple[float, float] = (-1.0, 1.0), scale: int = 4, every: int = 1,
-                 network: str = "generator") -> None:
+                 network: str = "generator", to_trackers: bool = False) -> None:
         try:
             from PIL import Image
         except ImportError as exc:  # an optional dependency: say which
@@ -68,6 +72,7 @@ class SampleGrid:
         self.scale = scale
         self.every = every
         self.network = network
+        self.to_trackers = to_trackers
         self.paths: list[str] = []
 
     @hookimpl
@@ -87,8 +92,11 @@ class SampleGrid:
             return None
         os.makedirs(self.directory, exist_ok=True)
         path = os.path.join(self.directory, filename)
-        self.render(loop).save(path)
+        grid = self.grid(loop)
+        self._picture(grid).save(path)
         self.paths.append(path)
+        if self.to_trackers:
+            loop.log_images({loop.plugins.name_of(self) or self.name: grid})
         return path
 
     def samples(self, loop: LoopLike) -> torch.Tensor:
@@ -114,7 +122,11 @@ class SampleGrid:
         return out.detach().float().cpu()
 
     def render(self, loop: LoopLike) -> Image.Image:
-        """The grid as a PIL image (grey or RGB)."""
+        """The grid as a PIL image (grey or RGB), each pixel ``scale`` x ``scale``."""
+        return self._picture(self.grid(loop))
+
+    def grid(self, loop: LoopLike) -> torch.Tensor:
+        """The grid as a ``(C, H, W)`` ``uint8`` tensor, one pixel per value."""
         x = self.samples(loop)
         if self.image_shape is not None:
             x = x.reshape(len(x), *self.image_shape)
@@ -139,8 +151,11 @@ class SampleGrid:
             r, col = divmod(i, self.nrow)
             top, left = pad + r * (h + pad), pad + col * (w + pad)
             grid[:, top:top + h, left:left + w] = x[i]
-        pixels = (grid * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
-        image = self._image.fromarray(np.ascontiguousarray(pixels.squeeze(-1) if c == 1 else pixels))
+        return (grid * 255).round().to(torch.uint8)
+
+    def _picture(self, grid: torch.Tensor) -> Image.Image:
+        pixels = grid.permute(1, 2, 0).numpy()
+        image = self._image.fromarray(np.ascontiguousarray(pixels.squeeze(-1) if grid.shape[0] == 1 else pixels))
         if self.scale != 1:
             size = (image.width * self.scale, image.height * self.scale)
             image = image.resize(size, self._image.Resampling.NEAREST)

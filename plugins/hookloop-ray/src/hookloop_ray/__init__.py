@@ -1,5 +1,5 @@
 """hookloop on Ray Train: report hookloop's checkpoints and metrics to Ray,
-resume from the checkpoint Ray gives back.
+resume from the newest checkpoint, Ray's or the ``Checkpoint`` folder's.
 
     import hookloop_ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -9,7 +9,7 @@ resume from the checkpoint Ray gives back.
         loop = Loop(..., accelerator=Accelerator(cpu=not use_gpu),
                     plugins=[Checkpoint(dir=config["checkpoints"], every_steps=100),
                              hookloop_ray.RayReport()],
-                    resume_from=hookloop_ray.resume_point())
+                    resume_from=hookloop_ray.resume_point())  # Ray's or the folder's newest
         loop.fit(epochs=3)
 
     TorchTrainer(train_func, scaling_config=ScalingConfig(num_workers=2),
@@ -26,6 +26,7 @@ import math
 from pathlib import Path
 
 from hookloop import hookimpl
+from hookloop.checkpointing import CheckpointError, list_checkpoints, read_latest, read_manifest
 
 __all__ = ["RayReport", "resume_point"]
 __version__ = "0.1.0"
@@ -113,15 +114,44 @@ def _floats(metrics) -> dict:
     return out
 
 
-def resume_point() -> Path | None:
-    """The checkpoint Ray Train gives this attempt (``ray.train.get_checkpoint()``)
-    as a local folder for ``Loop(..., resume_from=...)``: None on the first
-    attempt. On local storage it is Ray's copy itself; on remote storage
-    (S3, GCS) it is downloaded into a local folder first."""
-    train = _train()
-    checkpoint = train.get_checkpoint()
+def resume_point() -> Path | str:
+    """Where this Ray Train attempt resumes, for ``Loop(..., resume_from=...)``:
+    the newest checkpoint that exists, Ray's or the ``Checkpoint`` folder's.
+
+    - Ray gives a checkpoint (``ray.train.get_checkpoint()``): its local
+      folder (on local storage Ray's copy itself; on remote storage, S3 or
+      GCS, downloaded first), unless the folder it was saved in (the
+      ``root`` its manifest records) holds a newer one: then that folder,
+      whose ``latest`` hookloop resumes (every process the same one);
+    - Ray gives none: ``"latest"``, the ``Checkpoint`` folder's newest, or a
+      start from scratch if it holds none (the first attempt).
+
+    Ray registers a reported checkpoint when its controller next polls the
+    workers (every few seconds); a worker that dies before that leaves the
+    checkpoint in the folder (and Ray's copy in its storage) but not in what
+    Ray gives back, which is then older, or None. Newer: a later position in
+    the checkpoint's manifest (update, then epoch: an epoch-end checkpoint
+    after the mid-epoch one of its update); Ray's on a tie. A folder holding
+    another run's checkpoints is continued like that run's: give each run
+    its own folder."""
+    checkpoint = _train().get_checkpoint()
     if checkpoint is None:
-        return None
+        return "latest"
+    ray_copy = _local(checkpoint)
+    try:
+        doc = read_manifest(ray_copy)
+        ray_position = _position_of(doc)
+    except (CheckpointError, KeyError, TypeError):
+        return ray_copy  # (not compared: loading it names what is wrong)
+    root = doc.get("root")  # the folder it was saved in, as every checkpoint records it
+    folder_position = _newest_in(Path(root)) if isinstance(root, str) else None
+    if folder_position is not None and folder_position > ray_position:
+        return Path(root)
+    return ray_copy
+
+
+def _local(checkpoint) -> Path:
+    """A ``ray.train.Checkpoint`` as a local folder: itself on local storage."""
     try:
         import pyarrow.fs
 
@@ -130,3 +160,27 @@ def resume_point() -> Path | None:
     except ImportError:
         pass
     return Path(checkpoint.to_directory())
+
+
+def _newest_in(root: Path) -> tuple[int, int, int] | None:
+    """The position of the checkpoint ``resume_from=root`` resumes: the one
+    ``latest`` names, else the newest whose manifest reads; None if ``root``
+    holds none."""
+    try:
+        latest = read_latest(root)
+    except CheckpointError:  # (unreadable, or names a save in progress: the newest readable instead)
+        latest = None
+    names = [p.name for p in list_checkpoints(root)]
+    for name in ([latest] if latest else []) + [n for n in reversed(names) if n != latest]:
+        try:
+            return _position_of(read_manifest(root / name))
+        except (CheckpointError, KeyError, TypeError):
+            continue
+    return None
+
+
+def _position_of(doc: dict) -> tuple[int, int, int]:
+    """The order of a checkpoint's position (its manifest's ``loop``): update,
+    batch, epoch (an epoch-end checkpoint records the next epoch's start)."""
+    loop = doc["loop"]
+    return loop["global_step"], loop.get("micro_step", loop["global_step"]), loop["epoch"]

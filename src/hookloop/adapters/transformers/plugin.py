@@ -103,6 +103,9 @@ class TrainerCallbacks:
         self.eval_data = eval_data
         self.processing_class = processing_class
         self.trackers = bool(trackers)
+        #: with ``trackers``, every evaluation's metrics reach the trackers from here, as the
+        #: Trainer logs them: the built-in default ``track-metrics`` then writes none
+        self.replaces = ("track-metrics",) if self.trackers else ()
         report = reporting_callbacks(args.report_to) if args is not None else []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
