@@ -1,7 +1,8 @@
 """pluggy's private names, each behind a check, with a fallback to public API.
 
 This is the only module of hookloop that touches pluggy's privates. hookloop
-uses three, none of them needed to be correct, each one to be fast or exact:
+reads two and writes to none; neither is needed to be correct, each one is there
+to be fast or exact:
 
 ``pluggy._callers._multicall`` (with ``HookCaller.__call__`` and
 ``PluginManager._hookexec``, the path from a hook call to it)
@@ -25,32 +26,17 @@ uses three, none of them needed to be correct, each one to be fast or exact:
     objects, ``functools.wraps`` wrappers); ``tests/manager/test_pluggy_privates.py``
     checks the two agree. It could differ only where a later pluggy changes
     how it reads arguments.
-``HookCaller._hookimpls`` (laid out as ``HookCaller._add_hookimpl`` lays it)
-    pluggy calls plain and ``tryfirst`` implementations last-registered first
-    but ``trylast`` ones first-registered first; hookloop registers in the
-    reverse of the wanted order, so :meth:`PluginManager._order_trylast
-    <hookloop.manager.PluginManager._order_trylast>` reorders each ``trylast``
-    block of that list in place, and ``trylast`` implementations, too, run
-    in ``plugins=[...]`` order, before the built-in defaults'. Used when the
-    attribute is a ``list`` (the one ``get_hookimpls()`` copies) and
-    ``_add_hookimpl`` is the verified code. Fallback: no reordering. Among
-    the ``trylast`` implementations of one hook (wrappers likewise among
-    ``trylast`` wrappers), pluggy's order holds: built-ins first, then
-    installed plugins, then the plugins given in code from the last of
-    ``plugins=[...]`` to the first. On a firstresult hook that changes who
-    answers: a user's ``trylast`` ``compute_loss`` is never reached, the
-    built-in default loss (also ``trylast``) answers first. Plain and
-    ``tryfirst`` implementations keep their order. The manager warns
-    (``RuntimeWarning``, once per hook and manager) when the order it wanted
-    differs from the one pluggy will use.
+
+The order in which implementations run is pluggy's public behaviour alone
+(:func:`hookloop.manager.trylast_in_registration_order`).
 
 Nothing is touched at import time: ``import hookloop`` works with any pluggy
 that has the public API (``pluggy>=1.7``). Another pluggy whose code differs
 where a fingerprint is checked gets the fallback, and the test
 ``tests/manager/test_pluggy_privates.py`` says so (after checking the new
 code line by line, add its fingerprint to ``VERIFIED``).
-``HOOKLOOP_PLUGGY_PRIVATES=0`` switches all three off (the fallbacks above,
-trylast ordering included).
+``HOOKLOOP_PLUGGY_PRIVATES=0`` switches both off (the fallbacks above): the
+same calls in the same order, the same results.
 """
 
 from __future__ import annotations
@@ -71,8 +57,6 @@ VERIFIED = {
     "_multicall": {"32f6076609858029"},
     "HookCaller.__call__": {"64d9855993e5f1c5"},
     "PluginManager._hookexec": {"ea3bbf2e910b135a"},
-    # pluggy 1.7.0's code; ast.unparse writes it differently on Python 3.10
-    "HookCaller._add_hookimpl": {"840e1b53863a6d72", "ea6a02a825019e68"},
 }
 
 
@@ -170,18 +154,6 @@ def inspect_varnames(func) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(args), tuple(kwargs)
 
 
-def reorderable(caller) -> list | None:
-    """The list a ``HookCaller`` calls its implementations from (reversed),
-    to reorder in place, when it is the verified layout; else ``None``."""
-    if not enabled() or not _verified("HookCaller._add_hookimpl",
-                                      getattr(type(caller), "_add_hookimpl", None)):
-        return None
-    impls = getattr(caller, "_hookimpls", None)
-    if not isinstance(impls, list) or impls != caller.get_hookimpls():
-        return None
-    return impls
-
-
 def status() -> dict:
     """Which privates are in use now (for tests and bug reports)."""
     probe = pluggy.PluginManager("hookloop-probe")
@@ -189,7 +161,6 @@ def status() -> dict:
     return {
         "direct_calls": calls_directly(probe),
         "varnames": "pluggy" if find_varnames() is not inspect_varnames else "inspect",
-        "trylast_order": reorderable(probe.hook.probe) is not None,
     }
 
 

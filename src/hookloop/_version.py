@@ -2,4 +2,4 @@
 takes it from here, never from the package ``__init__`` (which imports the
 loop, and so everything else)."""
 
-__version__ = "0.4.0.dev0"
+__version__ = "0.5.0.dev0"

@@ -106,7 +106,12 @@ Hooks marked *firstresult* stop at the first implementation that returns a
 value other than ``None``; for every other hook the return value is ignored.
 Implementations run in the order the plugins were given (``plugins=[A, B]``:
 A first), user plugins before installed ones before built-in ones, and
-``tryfirst`` / ``trylast`` move an implementation to the front or the back.
+``tryfirst`` / ``trylast`` move an implementation to the front or the back
+(several ``trylast`` ones run in pluggy's order: the first registered, the
+last of ``plugins=[...]``, first). A built-in default of a *firstresult* hook
+(the strategy's ``training_step`` and ``eval_step``, the default loss) runs
+after every plugin's implementation, ``trylast`` ones included: it answers
+only when no plugin does, and a wrapper of the hook gets its result.
 """
 
 from __future__ import annotations
@@ -407,8 +412,9 @@ def training_step(loop: LoopLike, batch: Any) -> StepOutput | None:
     This is the *strategy* hook. The built-in supervised strategy (one network
     named ``"model"``), :class:`hookloop.strategies.GAN` (two networks) and
     :class:`hookloop.strategies.Distillation` (a frozen teacher, a student)
-    implement it ``trylast``, so a user plugin that returns a result replaces
-    them. A strategy calls the per-network hooks (``compute_loss``,
+    implement it; the strategy's runs after every plugin's implementation
+    (``trylast`` ones too), so a user plugin that returns a result replaces
+    it. A strategy calls the per-network hooks (``compute_loss``,
     ``before_backward`` ... ``after_zero_grad``) through the functions of
     :mod:`hookloop.strategy` (``loss_and_backward``, ``update``), the kit to
     write one.
@@ -460,7 +466,8 @@ def compute_loss(loop: LoopLike, network: Network, batch: Any, outputs: Any) -> 
     """Return the loss to minimise for ``network`` on this batch.
 
     Called by the strategy once per network per batch. The built-in default
-    (``trylast``) returns ``outputs.loss`` when the model computed one, else
+    (plugin ``"loss"``, run after every plugin's implementation, ``trylast``
+    ones too) returns ``outputs.loss`` when the model computed one, else
     the cross-entropy of the logits against the batch's targets; the GAN
     strategy's default is the non-saturating BCE-with-logits loss for
     ``network.name`` ``"generator"`` and ``"discriminator"``; the
@@ -469,6 +476,12 @@ def compute_loss(loop: LoopLike, network: Network, batch: Any, outputs: Any) -> 
     the decision to the next implementation (for another network). A result
     that is not a scalar tensor with a graph raises an error naming the
     plugin that returned it.
+
+    Training only: evaluation does not call it, and ``eval_loss`` stays the
+    default metrics' (the cross-entropy, or the model's own ``outputs.loss``).
+    A plugin whose loss should be the one evaluated also returns its
+    per-example values as ``eval_loss`` from ``after_eval_step`` and declares
+    ``replaces = ("metrics",)`` (docs/plugins.md shows one).
 
     :param loop: the :class:`~hookloop.Loop`.
     :param network: the :class:`~hookloop.Network` being trained
@@ -673,8 +686,8 @@ def eval_step(loop: LoopLike, batch: Any, eval_set: str | None) -> Any:
 
     This is the strategy's evaluation hook: one forward per batch, whose
     outputs every ``after_eval_step`` implementation then receives. The
-    built-in supervised strategy (``trylast``) returns
-    ``model(**batch)`` / ``model(inputs)`` as the training step calls it.
+    built-in supervised strategy's, run after every plugin's implementation,
+    returns ``model(**batch)`` / ``model(inputs)`` as the training step calls it.
     :meth:`Loop.predict` gathers these outputs.
 
     :param loop: the :class:`~hookloop.Loop`; ``loop.state.stage`` is

@@ -108,6 +108,8 @@ class Logbook:
         self._told_imageless: set[str] = set()  # trackers said to take no images
         #: loop.log's latest on_step values that no tracker took (main process; plugins/progress.py shows them)
         self.untracked: dict[str, Any] = {}
+        #: what shows :attr:`untracked` this fit ("the progress bar", "the progress lines"; set by it), or None
+        self.untracked_shown_by: str | None = None
 
     def start_fit(self) -> None:
         self._step_owners = {}
@@ -137,7 +139,7 @@ class Logbook:
                 values = self._claim_step(values, writer, step)
             if not acc.is_main_process:
                 return
-            if not self._tracked("loop.log", values):
+            if not self._tracked("loop.log", values, writer):
                 self.untracked.update(values)  # references: nothing read here
                 return
             acc.log({k: v.item() if isinstance(v, torch.Tensor) else v for k, v in values.items()},
@@ -166,20 +168,30 @@ class Logbook:
                   f"{'; the others got them' if took else ''}. TensorBoard, W&B, Aim, ClearML and "
                   "SwanLab take images", file=sys.stderr)
 
-    def _tracked(self, call: str, values: Mapping[str, Any]) -> bool:
+    def _tracked(self, call: str, values: Mapping[str, Any], writer: str | None = None) -> bool:
         """Whether trackers run (started now, inside a fit, if configured);
-        if none is configured, said once (on the main process)."""
+        if none is configured, said once (on the main process), unless the
+        plugin that logs prints what it logs (``Logger(console=True)``: its
+        values are on the console, as its user asked)."""
         if self.accelerator.trackers or (self.trackers.fitting and self.trackers.start()):
             return True
-        if not self._told_untracked:  # nobody to write to: nothing read, and said once
+        if not self._told_untracked and not self._prints_what_it_logs(writer):  # said once
             self._told_untracked = True
             hint = ("(or 'wandb', 'mlflow', hookloop.trackers.JSONLinesTracker(dir)) records every value; "
                     "on_epoch=True values reach the epoch's metrics either way" if call == "loop.log"
                     else "(or 'wandb') records them")
+            shown = self.untracked_shown_by if call == "loop.log" else None
             print(f"hookloop: {call}({', '.join(map(repr, list(values)[:3]))}...) goes to no tracker: "
-                  f"none is configured. Accelerator(log_with='tensorboard', project_dir=...) {hint}",
+                  f"none is configured. Accelerator(log_with='tensorboard', project_dir=...) {hint}"
+                  + (f"; meanwhile the latest values are shown on {shown}" if shown else ""),
                   file=sys.stderr)
         return False
+
+    def _prints_what_it_logs(self, writer: str | None) -> bool:
+        """Whether the plugin ``writer`` prints the values it logs (it says so
+        with ``prints_what_it_logs = True``, as ``Logger(console=True)`` does)."""
+        plugin = None if writer is None else self.plugins.get(writer)
+        return getattr(plugin, "prints_what_it_logs", False) is True
 
     def _claim_step(self, values: Mapping[str, Any], writer: str, step: int) -> Mapping[str, Any]:
         """Two plugins logging one key at one step: the trackers would keep one

@@ -576,7 +576,9 @@ class Loop:
             self.print(f"hookloop: no checkpoint in {roots[0]} yet: starting from scratch")
             return None
         if weights_only:  # a new run from the weights: the loop's state, run id and plugins stay
-            return checkpointing.load_weights(self, found, staged=staged, strict=strict)
+            loaded: Path | checkpointing.WeightsLoaded = checkpointing.load_weights(
+                self, found, staged=staged, strict=strict)
+            return loaded
         trusted = list(trust_pickles) or None
         script = checkpointing.script_folder(found)  # a hand-written script's save_state
         if script is not None or position is not None:

@@ -9,8 +9,13 @@ last-registered first, so they are registered in the reverse order):
    (:mod:`hookloop.discovery`, with the environment controls);
 3. built-in plugins: the strategy, its default loss, the progress bar.
 
-``trylast`` implementations, too, run in that order (see
-:meth:`PluginManager._order_trylast`). Every plugin is checked before it is
+pluggy calls ``trylast`` implementations in the order they were registered,
+the others in the reverse order; so the built-ins with a ``trylast``
+implementation (the strategy's ``training_step`` and ``eval_step``, the
+default loss, the default metrics) are registered after the plugins, and
+pluggy calls the built-in defaults after every plugin's implementation,
+``trylast`` ones included (:func:`trylast_in_registration_order`). Only
+pluggy's public API decides the order. Every plugin is checked before it is
 registered (:mod:`hookloop.validation`); ``loop.hook`` calls the hooks
 (:mod:`hookloop.relay`); an exception is traced back to the plugin and hook
 it came from (:meth:`PluginManager.culprit`). ``HOOKLOOP_TRACE=1`` prints
@@ -24,16 +29,16 @@ The names other modules import from here keep working: the ones now in
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import sys
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from . import _pluggy, hookspecs
+from . import hookspecs
 from .discovery import (  # noqa: F401 - hookloop.manager's names, as before
     ENV_BLOCK,
     ENV_DISABLE_AUTOLOAD,
@@ -79,6 +84,43 @@ __all__ = [
 Entry = tuple[Any, "str | None", str, str]
 
 
+@functools.cache
+def trylast_in_registration_order() -> bool:
+    """Whether pluggy calls the ``trylast`` implementations of a hook in the
+    order they were registered, the first registered first, as pluggy 1.7's
+    code does; the other implementations it calls last registered first (its
+    documentation says that of ``trylast`` ones too). Asked once per
+    process, of a pluggy manager of its own, with public API only.
+
+    :meth:`PluginManager.register_all` registers the built-ins with a
+    ``trylast`` implementation after the plugins when it is true, and with
+    the others (before the plugins) when it is not: either way pluggy calls
+    the built-in defaults after every plugin."""
+    probe = pluggy.PluginManager(_ORDER_PROBE)
+    probe.add_hookspecs(_OrderProbeSpec)
+    probe.register(_OrderProbe("first"), name="first")
+    probe.register(_OrderProbe("second"), name="second")
+    return bool(probe.hook.order_probe() == ["first", "second"])
+
+
+_ORDER_PROBE = "hookloop-order-probe"
+
+
+class _OrderProbeSpec:
+    @pluggy.HookspecMarker(_ORDER_PROBE)
+    def order_probe(self) -> str | None:
+        """A hook whose implementations say who was called first."""
+
+
+class _OrderProbe:
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
+    @pluggy.HookimplMarker(_ORDER_PROBE)(trylast=True)
+    def order_probe(self) -> str:
+        return self.tag
+
+
 class PluginManager:
     """pluggy's manager plus validation, ordering, names and attribution."""
 
@@ -87,8 +129,9 @@ class PluginManager:
         self.pm.add_hookspecs(hookspecs)
         #: name -> where it came from ("built-in", "code", or an entry point)
         self.sources: dict[str, str] = {}
-        #: hooks whose trylast order could not be applied (warned once each)
-        self._unordered: set[str] = set()
+        #: the built-ins registered after the plugins (see :meth:`register_all`),
+        #: in registration order: registered again after a plugin added later
+        self._late: list[tuple[Any, str]] = []
         #: (key, default, plugin) of the keys a default built-in gave way on (said once each)
         self.gave_way: set[tuple[str, str, str]] = set()
         self._guarding = False  # inside guard(): only the outermost acts
@@ -97,6 +140,18 @@ class PluginManager:
             self._enable_tracing()
 
     def register(self, plugin: object, name: str, source: str) -> None:
+        """Check and register one plugin (a loop's plugins are registered by
+        :meth:`register_all`). The built-ins registered after the plugins are
+        registered again after it, so its ``trylast`` implementations, too,
+        run before the built-in defaults'."""
+        self._add(plugin, name, source)
+        for late, late_name in self._late:  # after the new plugin again: see register_all
+            if self.pm.get_plugin(late_name) is late:
+                self.pm.unregister(late)
+                self.pm.register(late, name=late_name)
+        self.refresh()
+
+    def _add(self, plugin: object, name: str, source: str) -> None:
         if self.pm.is_registered(plugin):  # before validation: its warnings were given once
             raise PluginValidationError(
                 plugin,
@@ -116,8 +171,6 @@ class PluginManager:
             )
         self.pm.register(plugin, name=name)
         self.sources[name] = source
-        self._order_trylast()
-        self.refresh()
 
     def register_all(self, given: Iterable[Any], *, strategy: Any, defaults: Sequence[object],
                      builtins: Mapping[str, Any], block: Iterable[str] = ()) -> None:
@@ -125,6 +178,21 @@ class PluginManager:
         switched-on installed plugins, then the built-ins (``strategy``
         first, then its ``defaults``). pluggy calls the last registered
         first, hence the reversed registration.
+
+        pluggy calls ``trylast`` implementations the other way round, the
+        first registered first (:func:`trylast_in_registration_order`). So
+        the built-ins that have one (the strategy's ``training_step`` and
+        ``eval_step``, the default loss, the default metrics) are registered
+        after the plugins, in reverse: pluggy then calls their ``trylast``
+        implementations after every plugin's (among themselves in the order
+        they had: track-metrics', the metrics', the loss', the strategy's),
+        and a built-in default answers a *firstresult* hook only when no
+        plugin did. Their implementations of other kinds run before the
+        plugins' of the same kind (the GAN strategy's checks at
+        ``on_fit_start``). No private of pluggy is needed, so
+        ``HOOKLOOP_PLUGGY_PRIVATES=0`` gives the same order. With a pluggy
+        that calls ``trylast`` implementations last registered first, the
+        built-ins are all registered before the plugins, with the same effect.
 
         :param given: ``Loop(plugins=[...])``: objects, names of built-in or
             installed plugins, ``(name, {options})`` pairs.
@@ -166,14 +234,31 @@ class PluginManager:
                                  if name not in user_names and name not in {plugin_name(d) for d in defaults})]
         builtin = [(p, plugin_name(p), "built-in") for p in [strategy, *defaults]]
         builtin = [b for b in builtin if b[1] not in user_names or b[0] is strategy]
-        for plugin, name, source in [*builtin, *reversed(auto), *reversed(named)]:
+        late = ([b for b in builtin if b[1] not in blocked and self._has_trylast(b[0])]
+                if trylast_in_registration_order() else [])
+        early = [b for b in builtin if not any(b[0] is p for p, _, _ in late)]
+        for plugin, name, source in [*early, *reversed(auto), *reversed(named), *reversed(late)]:
             if name in blocked:
                 continue
-            self.register(plugin, name, source)
+            self._add(plugin, name, source)
+        self._late = [(plugin, name) for plugin, name, _ in reversed(late)]
+        self.refresh()
+
+    def _has_trylast(self, plugin: object) -> bool:
+        """Whether pluggy would register a ``trylast`` implementation of ``plugin``."""
+        for attr in dir(plugin):
+            try:
+                opts = self.pm.parse_hookimpl_opts(plugin, attr)
+            except Exception:  # noqa: BLE001 - validation names it when the plugin is registered
+                continue
+            if opts and opts.get("trylast"):
+                return True
+        return False
 
     def unregister(self, name: str) -> None:
         self.pm.unregister(name=name)
         self.sources.pop(name, None)
+        self._late = [(plugin, late) for plugin, late in self._late if late != name]
         self.refresh()
 
     def refresh(self) -> None:
@@ -193,40 +278,6 @@ class PluginManager:
             self.refresh()
 
         return undo_and_refresh
-
-    def _order_trylast(self) -> None:
-        """pluggy calls plain and ``tryfirst`` implementations last-registered
-        first, but ``trylast`` ones first-registered first. The loop registers
-        in reverse of the wanted call order, so put every ``trylast`` block in
-        registration order (pluggy calls a list from its end): then
-        ``trylast`` implementations too run in list order, user plugins'
-        before the built-in defaults'.
-
-        That rewrites pluggy's private list of implementations; where
-        :func:`hookloop._pluggy.reorderable` finds none it can, pluggy's
-        order stays, with a warning naming the hook (see :mod:`hookloop._pluggy`)."""
-        order = {name: i for i, name in enumerate(self.sources)}
-        for name in hook_names():
-            caller = getattr(self.pm.hook, name)
-            impls = list(caller.get_hookimpls())
-            wanted = _trylast_ordered(impls, order)
-            if wanted == impls:
-                continue
-            target = _pluggy.reorderable(caller)
-            if target is not None:
-                target[:] = wanted
-            elif name not in self._unordered:
-                self._unordered.add(name)
-                called = [i.plugin_name for i in reversed(impls) if i.trylast]
-                meant = [i.plugin_name for i in reversed(wanted) if i.trylast]
-                warnings.warn(
-                    f"hookloop: cannot order the trylast implementations of {name!r} with "
-                    f"this pluggy ({pluggy.__version__}, {_pluggy.ENV}="
-                    f"{os.environ.get(_pluggy.ENV, 'unset')}): they run {', '.join(called)} "
-                    f"instead of {', '.join(meant)}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
 
     def names(self) -> list[str]:
         return [name for name, plugin in self.pm.list_name_plugin() if plugin is not None]
@@ -325,20 +376,6 @@ class PluginManager:
             pass
 
         self.add_hookcall_monitoring(before, after)
-
-
-def _trylast_ordered(impls: Sequence[HookImpl], order: Mapping[str, int]) -> list[HookImpl]:
-    """``impls`` (pluggy's order) with each block of ``trylast``
-    implementations (plain ones, then wrappers) sorted by registration."""
-    out = list(impls)
-    for wrappers in (False, True):
-        positions = [i for i, impl in enumerate(impls)
-                     if impl.trylast and bool(impl.wrapper or impl.hookwrapper) == wrappers]
-        ranked = sorted((impls[i] for i in positions),
-                        key=lambda impl: order.get(impl.plugin_name, -1))
-        for i, impl in zip(positions, ranked):
-            out[i] = impl
-    return out
 
 
 # ---------------------------------------------------------------------------

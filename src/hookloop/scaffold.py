@@ -3,14 +3,15 @@
 ::
 
     hookloop new-plugin demo-thing            # writes ./hookloop-demo-thing/
-    pip install ./hookloop-demo-thing
+    pip install './hookloop-demo-thing[test]' # the plugin, and pytest for its tests
     pytest hookloop-demo-thing/tests
 
 The distribution has a ``pyproject.toml`` declaring the entry point
 (group ``hookloop``, name ``NAME``), a module with one documented hook
 implementation, a README and a test written with :mod:`hookloop.testing`
-that passes as generated. Users switch the plugin on with
-``Loop(plugins=["NAME"])``.
+that passes as generated; its ``test`` extra brings pytest, so that the
+recipe above works in a fresh virtual environment. Users switch the plugin
+on with ``Loop(plugins=["NAME"])`` (and install it without the extra).
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ description = "A hookloop plugin: {name}."
 readme = "README.md"
 requires-python = ">=3.10"
 dependencies = ["hookloop>={hookloop_version}"]
+
+# pip install './{distribution}[test]': what its tests need (hookloop.testing is a pytest plugin)
+[project.optional-dependencies]
+test = ["pytest>=8"]
 
 # hookloop finds the plugin here; users switch it on with Loop(plugins=["{name}"])
 [project.entry-points.hookloop]
@@ -138,8 +143,9 @@ class {cls}:
 
 TEST = '''\
 """Tests for {distribution}, with hookloop's kit (``hookloop.testing``, a
-pytest plugin: its fixtures need no import). Install first:
-``pip install ./{distribution}``, then ``pytest {distribution}/tests``."""
+pytest plugin: its fixtures need no import). Install first, with the
+``test`` extra (pytest): ``pip install './{distribution}[test]'``, then
+``pytest {distribution}/tests``."""
 
 from {module} import {cls}
 
@@ -199,7 +205,8 @@ loop = Loop(..., plugins=["{name}"])                    # or [("{name}", {{"ever
 ```
 
 Installing it changes nothing until it is named in `plugins=[...]`; `hookloop plugins`
-lists it. Tests: `pytest {distribution}/tests` (after installing).
+lists it. Tests: `pip install './{distribution}[test]'` (the `test` extra brings pytest),
+then `pytest {distribution}/tests`.
 '''
 
 
@@ -225,7 +232,11 @@ def write(name: str, directory: str | os.PathLike[str] = ".") -> Path:
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``new-plugin`` to the ``hookloop`` command's subcommands."""
-    p = sub.add_parser("new-plugin", help="write a ready plugin distribution")
+    p = sub.add_parser("new-plugin", help="write a ready plugin distribution",
+                       description="Write hookloop-NAME/: a plugin distribution (an entry point, a "
+                       "documented hook, a README, tests) that installs and passes its own tests.",
+                       epilog="then: pip install './hookloop-NAME[test]' && pytest hookloop-NAME/tests "
+                       "(the test extra brings pytest)")
     p.add_argument("name", help="the plugin's name, e.g. demo-thing (lower case, hyphens)")
     p.add_argument("--dir", default=".", help="where to write hookloop-NAME/ (default: here)")
     p.set_defaults(func=_cmd_new_plugin)
@@ -242,14 +253,17 @@ def _cmd_new_plugin(args: argparse.Namespace) -> int:
         return 1
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         print(f"wrote {path}")
-    print(f"next: pip install {local_path(root)} && pytest {shlex.quote(str(root / 'tests'))}")
+    print(f"next: pip install {local_path(root, extra='test')} && pytest {shlex.quote(str(root / 'tests'))}")
     return 0
 
 
-def local_path(path: str | os.PathLike[str]) -> str:
+def local_path(path: str | os.PathLike[str], extra: str | None = None) -> str:
     """``path`` as pip reads it as a directory, not a name to look up on the
-    package index: ``hookloop-x`` becomes ``./hookloop-x``; quoted for a shell."""
+    package index: ``hookloop-x`` becomes ``./hookloop-x`` (with ``extra``,
+    ``./hookloop-x[test]``); quoted for a shell (zsh globs the brackets)."""
     text = str(path)
     if not os.path.isabs(text) and not text.startswith(("./", "../")):
         text = "./" + text
+    if extra:
+        text += f"[{extra}]"
     return shlex.quote(text)

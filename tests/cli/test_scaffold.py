@@ -47,6 +47,11 @@ def test_the_distribution_declares_the_entry_point_and_the_module_is_a_valid_plu
     assert project["name"] == "hookloop-demo-thing"
     assert project["entry-points"]["hookloop"] == {"demo-thing": "hookloop_demo_thing:DemoThing"}
     assert any(dep.startswith("hookloop>=") for dep in project["dependencies"])
+    # the recipe installs the `test` extra: its tests run in a fresh environment (0.4: "pytest:
+    # command not found" unless the user knew to install it)
+    assert [dep for dep in project["optional-dependencies"]["test"] if dep.startswith("pytest")]
+    for written in ("README.md", "tests/test_demo_thing.py"):
+        assert "pip install './hookloop-demo-thing[test]'" in (root / written).read_text(), written
 
     sys.path.insert(0, str(root / "src"))
     try:
@@ -123,7 +128,7 @@ def test_the_command_writes_refuses_to_overwrite_and_rejects_bad_names(tmp_path,
     assert main(["new-plugin", "demo-thing", "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert f"wrote {tmp_path / 'hookloop-demo-thing' / 'pyproject.toml'}" in out
-    assert f"next: pip install {tmp_path / 'hookloop-demo-thing'}" in out
+    assert f"next: pip install '{tmp_path / 'hookloop-demo-thing'}[test]'" in out
     before = (tmp_path / "hookloop-demo-thing" / "pyproject.toml").read_text()
 
     assert main(["new-plugin", "demo-thing", "--dir", str(tmp_path)]) == 1
@@ -140,9 +145,17 @@ def test_the_next_line_installs_the_folder_not_a_name_from_the_index(tmp_path, m
     assert main(["new-plugin", "demo-thing"]) == 0
     out = capsys.readouterr().out
     # without ./ pip would look the name up on the package index
-    assert "next: pip install ./hookloop-demo-thing && pytest hookloop-demo-thing/tests" in out
+    # quoted: zsh would glob the brackets of the test extra
+    assert "next: pip install './hookloop-demo-thing[test]' && pytest hookloop-demo-thing/tests" in out
     assert main(["new-plugin", "other", "--dir", "sub dir"]) == 0
-    assert "next: pip install './sub dir/hookloop-other'" in capsys.readouterr().out
+    assert "next: pip install './sub dir/hookloop-other[test]'" in capsys.readouterr().out
+
+
+def test_the_command_s_help_gives_the_recipe_with_the_test_extra(capsys):
+    with pytest.raises(SystemExit):
+        main(["new-plugin", "--help"])
+    said = " ".join(capsys.readouterr().out.split())  # (argparse wraps it to the terminal's width)
+    assert "pip install './hookloop-NAME[test]' && pytest hookloop-NAME/tests (the test extra brings pytest)" in said
 
 
 def _install_without_pip(root, site):

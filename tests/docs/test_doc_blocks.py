@@ -1,57 +1,73 @@
-"""Every Python block of README.md and docs/*.md runs as written.
+"""Every Python block of README.md, docs/*.md and the plugins' READMEs runs as
+written.
 
 Each page's blocks run in order in one namespace (a later block may use what
 an earlier one defined), in a temporary working directory, after
-docs/example_names.py (the names the docs use for "your model, your data").
-A block that cannot run as written (it needs the model hub, a GPU, or it is an
-excerpt of a larger program) is marked by the line ``<!-- fragment: why -->``
-right above its fence; it is still compiled, so it must at least be Python.
+docs/example_names.py (the names the docs use for "your model, your data"):
+README.md's and docs/*.md's here, the plugins' READMEs in a virtual
+environment where the plugins are installed
+(tests/manager/test_plugin_distributions.py). A block that cannot run as
+written (it needs the model hub, a GPU, or it is an excerpt of a larger
+program) is marked by the line ``<!-- fragment: why -->`` right above its
+fence; a whole program that a slow test runs as written (on a Ray cluster,
+with a torchft lighthouse) by ``<!-- runs in: TEST (why) -->``. Both are still
+compiled here, so they must at least be Python (tests/scripts/doc_blocks.py).
 """
 
 import re
-import runpy
 
 import pytest
 
+from doc_blocks import blocks
 from paths import ROOT, SCRIPTS  # noqa: F401
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-BLOCK = re.compile(r"(<!-- fragment: [^>]*-->\n)?```python\n(.*?)```", flags=re.S)
-
-
-def blocks(page):
-    """``(line, code, fragment)`` of every Python block of ``page``."""
-    text = page.read_text()
-    return [(text[:m.start()].count("\n") + 1 + bool(m.group(1)), m.group(2), bool(m.group(1)))
-            for m in BLOCK.finditer(text)]
+PLUGIN_PAGES = sorted((ROOT / "plugins").glob("*/README.md"))
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_python_block_of_the_page_runs_as_written(page, tmp_path, monkeypatch, capsys):
     from hookloop.testing import reset_accelerate
 
-    found = blocks(page)
-    if not found:
+    from doc_blocks import run_page
+
+    if not blocks(page):
         pytest.skip("no Python block")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOOKLOOP_DISABLE_PLUGIN_AUTOLOAD", "1")
-    namespace = runpy.run_path(str(ROOT / "docs" / "example_names.py"))
-    name = page.relative_to(ROOT).as_posix()
     reset_accelerate()
     try:
-        for line, code, fragment in found:
-            compiled = compile(code, f"{name}:{line}", "exec")  # a fragment must still be Python
-            if not fragment:
-                exec(compiled, namespace)
+        run_page(page, page.relative_to(ROOT).as_posix())
     finally:
         reset_accelerate()
 
 
+@pytest.mark.parametrize("page", PLUGIN_PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_python_block_of_a_plugin_s_readme_is_python(page):
+    """(They run where the plugins are installed: tests/manager/test_plugin_distributions.py.)"""
+    for block in blocks(page):
+        compile(block.code, f"{page.relative_to(ROOT).as_posix()}:{block.line}", "exec")
+
+
 def test_fragments_say_why_and_are_few():
-    """A fragment marker names its reason; most blocks run."""
-    every = [(page, b) for page in PAGES for b in blocks(page)]
-    fragments = [(page, line) for page, (line, _, fragment) in every if fragment]
+    """A fragment marker names its reason; most blocks run (here, or in the slow test
+    a ``runs in`` marker names)."""
+    every = [(page, b) for page in [*PAGES, *PLUGIN_PAGES] for b in blocks(page)]
+    fragments = [(page.relative_to(ROOT).as_posix(), b.line) for page, b in every if b.marker == "fragment"]
     assert len(fragments) * 4 < len(every), fragments
-    for page in PAGES:
-        for reason in re.findall(r"^<!-- fragment: ([^>]*)-->\n```python", page.read_text(), flags=re.M):
-            assert len(reason.strip()) > 10, (page, reason)
+    for page, block in every:
+        if block.marker:
+            assert len(block.reason) > 10, (page, block.line, block.reason)
+
+
+def test_a_block_that_runs_in_a_slow_test_names_a_test_that_reads_its_page():
+    """docs/scaling.md's Ray and torchft programs were fragments until 0.5: the plugins'
+    tests ran cousins of them, and as written they failed."""
+    named = [(page, b) for page in [*PAGES, *PLUGIN_PAGES] for b in blocks(page) if b.marker == "runs in"]
+    assert {page.relative_to(ROOT).as_posix() for page, _ in named} >= {
+        "docs/scaling.md", "plugins/hookloop-ray/README.md", "plugins/hookloop-torchft/README.md"}
+    for page, block in named:
+        test = block.reason.split()[0]
+        path = next((folder / test for folder in (page.parent, ROOT) if (folder / test).is_file()), None)
+        assert path is not None, f"{page}:{block.line}: no test {test}"
+        assert page.name in path.read_text(), f"{test} does not read {page.name}"

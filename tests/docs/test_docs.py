@@ -291,3 +291,57 @@ def test_the_plugin_guide_runs_without_a_warning_about_untrained_parameters(tmp_
                 exec(compile(block, "docs/plugins.md", "exec"), namespace)
     reset_accelerate()
     assert not [w for w in seen if "no param group" in str(w.message)], [str(w.message) for w in seen]
+
+
+# -- the plugin guide's hook diagram and what it says of grad_norm ---------------------
+
+
+def _hook_diagram():
+    """The plain code block under docs/plugins.md's "When hooks run"."""
+    import re
+
+    section = GUIDE_PATH.read_text().split("\n## When hooks run\n", 1)[1].split("\n## ", 1)[0]
+    return re.search(r"\n```\n(.*?)\n```\n", section, flags=re.S).group(1)
+
+
+def _guide_s_hook_table():
+    """docs/guide.md's "Hooks in call order"."""
+    return (ROOT / "docs" / "guide.md").read_text().split("\n## Hooks in call order\n", 1)[1].split("\n## ", 1)[0]
+
+
+@pytest.mark.parametrize("where", ["docs/plugins.md diagram", "docs/guide.md table"])
+@pytest.mark.parametrize("hook", hook_names())
+def test_the_hook_diagram_and_table_show_every_hook_with_its_arguments(hook, where):
+    """0.4's diagram said 0.3 and lacked commit_update and the checkpoint hooks; the
+    guide's table lacked them too, and eval_step's eval_set (0.5)."""
+    import re
+
+    text = _hook_diagram() if where.endswith("diagram") else _guide_s_hook_table()
+    shown = re.findall(rf"(?<![\w/]){hook}(?:\(([^)]*)\))?", text)
+    assert shown, f"{hook} is not in the {where}"
+    expected = [p for p in inspect.signature(getattr(hookspecs, hook)).parameters
+                if p != "loop" or where.endswith("table")]  # (the diagram leaves loop out)
+    for arguments in shown:
+        named = [a.split("=")[0].strip() for a in arguments.split(",") if a.strip()]
+        assert named in ([], expected), (hook, arguments, expected)
+    if expected:
+        assert any(arguments for arguments in shown), f"{hook}: its arguments ({', '.join(expected)}) are not shown"
+
+
+def _sentences_about(name, text):
+    """Each piece of ``text`` from ``name`` to the end of its sentence."""
+    import re
+
+    return [re.split(r"\.\s|\.$|\n\s*\n", text[m.start():], maxsplit=1)[0]
+            for m in re.finditer(re.escape(name), text)]
+
+
+def test_no_page_or_docstring_says_grad_norm_is_none():
+    """It is ``hookloop.NOT_MEASURED`` when nothing measures it (0.4's docs/plugins.md
+    said None: a plugin testing ``is None`` then took it for a number)."""
+    pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "plugins").glob("*/README.md"),
+             *(ROOT / "src" / "hookloop").rglob("*.py"), *(ROOT / "plugins").glob("*/src/**/*.py")]
+    said = [(page.relative_to(ROOT).as_posix(), sentence) for page in pages
+            for sentence in _sentences_about("grad_norm", page.read_text())
+            if "`None`" in sentence or "``None``" in sentence]
+    assert said == []

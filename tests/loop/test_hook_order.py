@@ -150,7 +150,10 @@ def test_user_compute_loss_runs_before_the_default_loss():
     assert loop.state.global_step == 1
 
 
-def test_trylast_implementations_also_run_in_list_order():
+def test_trylast_implementations_run_last_in_pluggys_order():
+    """tryfirst and plain ones run in plugins=[...] order; trylast ones, as
+    pluggy calls them (hookloop writes nothing into pluggy's lists), the first
+    registered first: plugins=[...]'s last first."""
     log = []
 
     def plugin(tag, **opts):
@@ -165,7 +168,7 @@ def test_trylast_implementations_also_run_in_list_order():
 
     tiny_loop([plugin("A"), plugin("B"), plugin("C", trylast=True), plugin("D", trylast=True),
                plugin("E", tryfirst=True), plugin("F", tryfirst=True)], n=8).fit(epochs=1)
-    assert log == ["E", "F", "A", "B", "C", "D"]
+    assert log == ["E", "F", "A", "B", "D", "C"]
 
 
 def test_a_trylast_user_loss_still_beats_the_trylast_default_loss():

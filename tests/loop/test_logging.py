@@ -224,3 +224,38 @@ def test_loop_log_without_a_tracker_says_once_where_the_values_go(tiny_loop, cap
     err = capsys.readouterr().err
     assert err.count("goes to no tracker") == 1
     assert "loop.log('a'...) goes to no tracker: none is configured. Accelerator(log_with='tensorboard'" in err
+
+
+def test_a_logger_printing_its_values_is_not_told_they_go_to_no_tracker(tiny_loop, capsys):
+    """0.4: Logger(console=True) printed every value and was still told that
+    loop.log "goes to no tracker". What no plugin prints is still said once."""
+    tiny_loop([Logger(every=2)]).fit(max_steps=4)
+    out, err = capsys.readouterr()
+    assert "step 2 loss" in out and "step 4 loss" in out
+    assert "goes to no tracker" not in err
+
+    tiny_loop([Logger(every=2, console=False)]).fit(max_steps=4)  # printed nowhere: said
+    out, err = capsys.readouterr()
+    assert "step 2 loss" not in out and err.count("loop.log('loss', 'lr'...) goes to no tracker") == 1
+
+    class Logs:
+        @hookimpl
+        def after_step(self, loop):
+            loop.log({"a": 1.0})
+
+    tiny_loop([Logger(every=2), Logs()]).fit(max_steps=4)  # the Logger's printed, Logs' not
+    assert capsys.readouterr().err.count("loop.log('a'...) goes to no tracker") == 1
+
+
+def test_without_a_tracker_the_message_says_the_progress_lines_show_the_values(tiny_loop, capsys):
+    class Logs:
+        @hookimpl
+        def after_step(self, loop):
+            loop.log({"seen": float(loop.state.global_step)})
+
+    tiny_loop([Logs()], block=[]).fit(max_steps=3)  # stderr is no terminal here: progress lines
+    err = capsys.readouterr().err
+    assert err.count("goes to no tracker") == 1
+    told = next(line for line in err.splitlines() if "goes to no tracker" in line)
+    assert told.endswith("; meanwhile the latest values are shown on the progress lines"), told
+    assert "loss " in err and " seen 3 |" in err  # and so they are

@@ -36,6 +36,8 @@ except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
 SCRIPT = ROOT / "tests" / "scripts" / "plugin_checks.py"
+#: runs a Markdown page's Python blocks as written (tests/docs/test_doc_blocks.py's rule)
+DOC_BLOCKS = ROOT / "tests" / "scripts" / "doc_blocks.py"
 PLUGIN_DIRS = sorted((ROOT / "plugins").glob("hookloop-*"))
 #: entry-point name -> (distribution, version, object) read from each pyproject.toml
 DECLARED = {}
@@ -184,6 +186,22 @@ def test_installed_but_not_switched_on_training_is_bit_for_bit_the_same(plugin_v
     assert installed["wgan-gp"]["params"] != gan["params"]
 
 
+@pytest.mark.parametrize("folder", PLUGIN_DIRS, ids=lambda folder: folder.name)
+def test_each_plugin_s_readme_runs_as_written(plugin_venv, folder, tmp_path):
+    """Every Python block of the plugin's README, in order, after docs/example_names.py,
+    with the plugins installed (0.4: `Loop(..., plugins=["ema"])`, an Ellipsis for the
+    model; never run). A whole program that needs a Ray cluster or a torchft lighthouse
+    is marked ``runs in`` and runs in the plugin's own slow test."""
+    from doc_blocks import blocks
+
+    expected = sum(block.marker is None for block in blocks(folder / "README.md"))
+    if not expected:
+        pytest.skip("no block to run here (none, or whole programs its own slow tests run)")
+    done = plugin_venv.run(str(DOC_BLOCKS), str(folder / "README.md"), cwd=tmp_path,
+                           env={"HOOKLOOP_DISABLE_PLUGIN_AUTOLOAD": "1", "OMP_NUM_THREADS": "1"})
+    assert done.stdout.split()[-1] == str(expected), done.stdout[-2000:]
+
+
 def test_autoload_switch_allow_list_and_blocking(plugin_venv, tmp_path):
     c = plugin_venv.check("controls", tmp_path)
     active = {label: "profiler" in v["unnamed"] for label, v in c.items()}
@@ -267,6 +285,8 @@ def test_each_plugin_s_own_tests_pass_once_installed(plugin_venv):
     for folder in PLUGIN_DIRS:
         tests = plugin_venv.run("-m", "pytest", "-q", "-p", "no:cacheprovider", str(folder / "tests"),
                                 cwd=folder, check=False, timeout=OWN_TESTS_TIMEOUT)
-        assert tests.returncode == 0, f"{folder.name}:\n{tests.stdout[-6000:]}"
+        # (without torchft's lighthouse log, thousands of lines that would hide the failure)
+        said = "\n".join(line for line in tests.stdout.splitlines() if "[INFO] [torchft::" not in line)
+        assert tests.returncode == 0, f"{folder.name}:\n{said[-6000:]}"
         assert " passed" in tests.stdout and "failed" not in tests.stdout and "skipped" not in tests.stdout, \
             f"{folder.name}:\n{tests.stdout[-3000:]}"

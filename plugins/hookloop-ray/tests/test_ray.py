@@ -1,13 +1,15 @@
 """hookloop-ray on a Ray cluster of this machine (``ray.init(num_cpus=2)``,
-``TorchTrainer`` with two CPU workers, gloo): a run whose rank-1 worker dies
-twice at once after a report (before Ray's controller registers it: Ray
-gives back no checkpoint, or an older one) is restarted by Ray
-(``FailureConfig(max_failures=2)``), resumes each time from the newest
-checkpoint published before the death and ends bit for bit where an
-uninterrupted run ends; ``Result.metrics`` has the evaluation's loss,
-``Result.checkpoint`` is the last checkpoint.
-Each run is a fresh ``python ray_run.py`` (Ray pickles its ``train_func`` by
-value from a script's ``__main__``)."""
+``TorchTrainer`` with two CPU workers, gloo), running README.md's program
+as written (docs/scaling.md has the same block): uninterrupted, and with its
+rank-1 worker dying twice at once after a report (before Ray's controller
+registers it: Ray gives back no checkpoint, or an older one). Ray restarts
+the group (the block's ``FailureConfig(max_failures=3)``), which resumes
+each time from the newest checkpoint published before the death and ends
+bit for bit where the uninterrupted run ends; ``Result.metrics`` has the
+evaluation's loss, ``Result.checkpoint`` is the last checkpoint.
+Each run is a fresh ``python ray_run.py`` (Ray pickles ``train_func`` by
+value from a script's ``__main__``); ray_probe.py, an installed plugin that
+autoloads, records each start and kills the worker."""
 
 import json
 import os
@@ -21,6 +23,7 @@ import torch
 from hookloop.checkpointing import read_manifest
 
 HERE = Path(__file__).resolve().parent
+SCALING = HERE.parents[2] / "docs" / "scaling.md"  # (in hookloop's repository)
 
 
 def run(out: Path, *args) -> dict:
@@ -35,6 +38,16 @@ def lines(file):
     return [json.loads(line) for line in file.read_text().splitlines()]
 
 
+def test_the_readme_s_block_is_docs_scaling_md_s():
+    import re
+
+    from ray_run import readme_block
+
+    if not SCALING.exists():
+        pytest.skip("not in hookloop's repository")
+    assert readme_block() in re.findall(r"```python\n(.*?)```", SCALING.read_text(), flags=re.S)
+
+
 @pytest.mark.slow
 def test_a_worker_that_dies_at_once_after_a_report_is_restarted_by_ray_and_resumes_bit_for_bit(tmp_path):
     reference = run(tmp_path / "reference")
@@ -44,15 +57,16 @@ def test_a_worker_that_dies_at_once_after_a_report_is_restarted_by_ray_and_resum
     # Ray's process group taken as it is: two processes of a multi-CPU run, three times
     assert [(s["num_processes"], s["distributed_type"]) for s in starts] == [(2, "MULTI_CPU")] * 3
     failures = lines(tmp_path / "run" / "failures.jsonl")
-    # the first death right after the first report (update 3), the second two updates after the
-    # restarted attempt's first report (the epoch end, update 4), before that safe point's save
+    # 4 updates an epoch, checkpoints at the epoch ends (every_steps=500 never comes): the first
+    # death right after the first report (update 4), the second two updates after the restarted
+    # attempt's first report (the epoch end, update 8)
     assert [(f["global_step"], f["last_saved"]) for f in failures] == [
-        (3, "step-00000003"), (6, "step-00000004-epoch-end")]
+        (4, "step-00000004-epoch-end"), (10, "step-00000008-epoch-end")]
     assert starts[0]["global_step"] == 0 and starts[0]["resumed_from"] == "None"
     for start, failure in zip(starts[1:], failures, strict=True):
         # the newest checkpoint published before the death: the folder's (Ray never registered it)
         # or Ray's copy of the same one, never an older one nor a refusal to start
-        newest = read_manifest(tmp_path / "run" / "checkpoints" / failure["last_saved"])["loop"]
+        newest = read_manifest(tmp_path / "run" / "run" / "checkpoints" / failure["last_saved"])["loop"]
         assert read_manifest(start["resumed_from"])["loop"] == newest
         assert start["global_step"] == newest["global_step"]
     a = torch.load(tmp_path / "reference" / "params.pt", weights_only=True)
@@ -64,4 +78,7 @@ def test_a_worker_that_dies_at_once_after_a_report_is_restarted_by_ray_and_resum
         assert (Path(r["checkpoint"]) / "hookloop.json").is_file()
         doc = json.loads((Path(r["checkpoint"]) / "hookloop.json").read_text())
         assert doc["loop"]["global_step"] == 12  # the last checkpoint: the fit's end
+        # the block's last line: print(result.metrics["eval_loss"], result.checkpoint)
+        assert any(line.startswith(f"{r['metrics']['eval_loss']} Checkpoint(") and r["checkpoint"] in line
+                   for line in r["printed"].splitlines()), r["printed"][-2000:]
     assert result["metrics"]["eval_loss"] == reference["metrics"]["eval_loss"]

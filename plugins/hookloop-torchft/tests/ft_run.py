@@ -1,5 +1,5 @@
 """One replica group of one process training with ``FaultTolerant()``, for
-test_torchft.py:
+benchmarks/failure_cost.py (test_torchft.py runs the README's ``train.py``):
 
     TORCHFT_LIGHTHOUSE=... REPLICA_GROUP_ID=G NUM_REPLICA_GROUPS=2 \\
         python ft_run.py OUT --max-steps N [--step-sleep S] [--kill-at K]

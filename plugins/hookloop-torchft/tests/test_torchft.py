@@ -1,10 +1,16 @@
-"""hookloop-torchft on this machine: a lighthouse and two replica groups (gloo, CPU).
+"""hookloop-torchft on this machine: a lighthouse and two replica groups (gloo,
+CPU), each group the README's ``train.py`` as written (docs/scaling.md has the
+same block), launched as the README says: ``python train.py`` or ``torchrun
+... train.py`` with ``TORCHFT_LIGHTHOUSE``, ``NUM_REPLICA_GROUPS=2`` and
+``REPLICA_GROUP_ID``, both from one working directory. ft_probe.py, an
+installed plugin that autoloads, records every batch and kills a process.
 
 - Groups of one process: group 1 is SIGKILLed at about update 10 and started
   again 5 s later: group 0 keeps committing updates while group 1 is down (no
-  stop, no restart), group 1 recovers from its peer (it has no checkpoint to
-  read), both reach the requested number of updates with bitwise-equal
-  parameters, every batch the group's share at the healthy group's position.
+  stop, no restart), group 1 recovers from its peer (no checkpoint exists
+  yet), both end the block's two epochs with bitwise-equal parameters, each
+  in a checkpoint of its own folder, every batch the group's share at the
+  healthy group's position.
 - Groups of two processes, each under ``torchrun --max-restarts=1``: a rank of
   group 1 dies, its torchrun restarts the group, which heals from group 0
   while group 0 trains on alone."""
@@ -12,6 +18,7 @@
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,24 +29,53 @@ import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
-STEPS = 200  # at 0.1 s an update: group 0 still trains when group 1 is back (its start takes seconds)
+README = HERE.parent / "README.md"
+SCALING = HERE.parents[2] / "docs" / "scaling.md"  # (in hookloop's repository)
 PATIENCE_S = 240
+#: the block's run: 2048 examples, each group half of them in batches of 8, two epochs
+EXAMPLES, EPOCHS = 2048, 2
+#: group 0 sleeps this long after each update until group 1 is back (its start takes seconds)
+PACE_S = 0.1
+
+
+def readme_block() -> str:
+    """The README's Python block: the whole ``train.py``."""
+    (block,) = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    return block
+
+
+def install_probe(site: Path) -> None:
+    """What ``pip install`` of a distribution declaring ``ft-probe =
+    ft_probe:Probe`` leaves for importlib.metadata."""
+    info = site / "hookloop_ft_probe-0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: hookloop-ft-probe\nVersion: 0\n")
+    (info / "entry_points.txt").write_text("[hookloop]\nft-probe = ft_probe:Probe\n")
 
 
 def lines(file: Path) -> list[dict]:
     return [json.loads(line) for line in file.read_text().splitlines()] if file.exists() else []
 
 
-def group(out: Path, gid: int, lighthouse: str, log_name: str, *, steps: int = STEPS, launcher=(),
-          args=()) -> subprocess.Popen:
+def group(workdir: Path, out: Path, gid: int, lighthouse: str, log_name: str, *, launcher=(), kill_at=None,
+          paced_until: Path | None = None) -> subprocess.Popen:
+    """Replica group ``gid``: ``python train.py`` (or ``launcher`` + train.py) in
+    ``workdir``, where the README's block is ``train.py``; its records in ``out``;
+    ``PACE_S`` an update until the file ``paced_until`` exists."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    env.update(TORCHFT_LIGHTHOUSE=lighthouse, REPLICA_GROUP_ID=str(gid), NUM_REPLICA_GROUPS="2",
-               OMP_NUM_THREADS="1", HOOKLOOP_DISABLE_PLUGIN_AUTOLOAD="1",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # (torch 2.13's restarts: docs/distributed.md)
-    return subprocess.Popen([sys.executable, *launcher, str(HERE / "ft_run.py"), str(out), "--max-steps", str(steps),
-                             "--step-sleep", "0.1", *args], env=env, stdout=open(out / log_name, "w"),
-                            stderr=subprocess.STDOUT)
+    if not (workdir / "train.py").exists():
+        (workdir / "train.py").write_text(readme_block())
+        install_probe(workdir / "site")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "HOOKLOOP_DISABLE_PLUGIN_AUTOLOAD")}
+    env.update(TORCHFT_LIGHTHOUSE=lighthouse, REPLICA_GROUP_ID=str(gid), NUM_REPLICA_GROUPS="2",  # the README's
+               OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",  # (torch 2.13's restarts)
+               PYTHONPATH=os.pathsep.join([str(workdir / "site"), str(HERE), env.get("PYTHONPATH", "")]),
+               HOOKLOOP_LOAD_PLUGINS="ft-probe", FT_PROBE_OUT=str(out),
+               FT_PROBE_SLEEP=str(PACE_S if paced_until else 0), FT_PROBE_PACED_UNTIL=str(paced_until or ""),
+               FT_PROBE_KILL_AT="" if kill_at is None else str(kill_at))
+    return subprocess.Popen([sys.executable, *launcher, "train.py"], cwd=workdir, env=env,
+                            stdout=open(out / log_name, "w"), stderr=subprocess.STDOUT)
 
 
 @contextlib.contextmanager
@@ -64,18 +100,34 @@ def finish(process: subprocess.Popen, log: Path) -> None:
     assert process.wait(timeout=PATIENCE_S) == 0, log.read_text()[-3000:]
 
 
-def bitwise_equal_parameters(a_out: Path, b_out: Path) -> bool:
-    pa, pb = (torch.load(o / "params.pt", weights_only=True) for o in (a_out, b_out))
+def final_parameters(workdir: Path, gid: int) -> dict:
+    """The weights of group ``gid``'s last checkpoint (its own folder, as the block says)."""
+    from safetensors.torch import load_file
+
+    from hookloop.checkpointing import read_latest
+
+    folder = workdir / "checkpoints" / f"group-{gid}"
+    return load_file(folder / read_latest(folder) / "model.safetensors")
+
+
+def bitwise_equal_parameters(workdir: Path) -> bool:
+    pa, pb = final_parameters(workdir, 0), final_parameters(workdir, 1)
     return pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
 
 
+def test_the_readme_s_block_is_docs_scaling_md_s():
+    if not SCALING.exists():
+        pytest.skip("not in hookloop's repository")
+    assert readme_block() in re.findall(r"```python\n(.*?)```", SCALING.read_text(), flags=re.S)
+
+
 def share(gid: int, epoch: int) -> list[list[int]]:
-    """The batches of replica group ``gid``'s share of ft_run.py's 256 examples in ``epoch``."""
+    """The batches of replica group ``gid``'s share of the block's examples in ``epoch``."""
     from torch.utils.data import TensorDataset
 
     import hookloop_torchft
 
-    sampler = hookloop_torchft.replica_share(TensorDataset(torch.zeros(256)), replica_group=gid,
+    sampler = hookloop_torchft.replica_share(TensorDataset(torch.zeros(EXAMPLES)), replica_group=gid,
                                              num_replica_groups=2)
     sampler.set_epoch(epoch)
     order = list(sampler)
@@ -93,10 +145,11 @@ def wait_for(condition, what, processes, timeout=PATIENCE_S):
 
 @pytest.mark.slow
 def test_a_replica_group_killed_and_restarted_recovers_from_its_peer_while_the_other_trains_on(tmp_path):
-    a_out, b_out = tmp_path / "group0", tmp_path / "group1"
+    steps = EPOCHS * EXAMPLES // 2 // 8  # each group's half in batches of 8
+    a_out, b_out, back = tmp_path / "group0", tmp_path / "group1", tmp_path / "group1-is-back"
     with lighthouse_and_groups() as (address, processes):
-        a = group(a_out, 0, address, "first.log")
-        b = group(b_out, 1, address, "first.log")
+        a = group(tmp_path, a_out, 0, address, "first.log", paced_until=back)
+        b = group(tmp_path, b_out, 1, address, "first.log")
         processes += [a, b]
         wait_for(lambda: any(r["global_step"] >= 10 and r["participants"] == 2 for r in lines(b_out / "records.jsonl")),
                  "update 10 of both groups", processes)
@@ -104,33 +157,41 @@ def test_a_replica_group_killed_and_restarted_recovers_from_its_peer_while_the_o
         b.wait()
         killed_at = time.time()
         killed_step = max(r["global_step"] for r in lines(b_out / "records.jsonl"))
-        time.sleep(5)
+        time.sleep(5)  # (the scenario: started again 5 s later)
         during = [r for r in lines(a_out / "records.jsonl") if r["time"] > killed_at]
+        assert not list(tmp_path.rglob("hookloop.json"))  # no checkpoint yet: group 1 can heal from its peer only
         restarted_at = time.time()
-        b2 = group(b_out, 1, address, "second.log")
+        b2 = group(tmp_path, b_out, 1, address, "second.log")
         processes.append(b2)
+        wait_for(lambda: any(r["time"] > restarted_at for r in lines(b_out / "records.jsonl")),
+                 "an update of group 1's new process", [a, b2])
+        back.write_text("")  # group 0 may now run at full speed
         finish(a, a_out / "first.log")
         finish(b2, b_out / "second.log")
     # group 0 trained on alone while group 1 was down: updates committed with one group
     committed_alone = [r["global_step"] for r in during if r["participants"] == 1]
     assert len(committed_alone) >= 10 and committed_alone == sorted(set(committed_alone)), during
     assert committed_alone[0] <= killed_step + 2  # at once, not after a restart
-    run_a, run_b = (json.loads((o / "run.json").read_text()) for o in (a_out, b_out))
-    assert run_a["global_step"] == run_b["global_step"] == STEPS
+    records_a, records_b = lines(a_out / "records.jsonl"), lines(b_out / "records.jsonl")
+    # both end the block's two epochs: every batch of group 0's share, less the updates it
+    # discarded (a peer died during them: their batches consumed, not redone)
+    assert records_a[-1]["global_step"] == records_b[-1]["global_step"] == steps - records_a[-1]["discarded"]
+    assert records_a[-1]["discarded"] <= 2
     # group 1's second process healed from group 0: it started at group 0's update, not 0
-    second = [r for r in lines(b_out / "records.jsonl") if r["time"] > killed_at + 5]
+    second = [r for r in records_b if r["time"] > killed_at + 5]
     assert second[0]["global_step"] > killed_step and second[0]["participants"] == 2
-    assert not list(tmp_path.rglob("hookloop.json"))  # no checkpoint anywhere: healed from the peer
     # every batch of each group is its share's, at its position: group 1 rejoined at group 0's
-    for gid, out in ((0, a_out), (1, b_out)):
-        for r in lines(out / "records.jsonl"):
+    for gid, records in ((0, records_a), (1, records_b)):
+        for r in records:
             assert r["indices"] == share(gid, r["epoch"])[r["step_in_epoch"] - 1], (gid, r)
-    position = {r["global_step"]: (r["epoch"], r["step_in_epoch"]) for r in lines(a_out / "records.jsonl")}
+    position = {r["global_step"]: (r["epoch"], r["step_in_epoch"]) for r in records_a}
     assert all(position[r["global_step"]] == (r["epoch"], r["step_in_epoch"]) for r in second)
-    assert bitwise_equal_parameters(a_out, b_out)
-    times = [r["time"] for r in lines(a_out / "records.jsonl")]
+    # each group ended with a checkpoint in its own folder (0.4's README gave both one folder:
+    # the second group was refused), of the same weights
+    assert bitwise_equal_parameters(tmp_path)
+    times = [r["time"] for r in records_a]
     pauses = [b - a for a, b in zip(times, times[1:])]
-    print(json.dumps({"group0_discarded": run_a["discarded"], "group0_seconds": round(run_a["seconds"], 2),
+    print(json.dumps({"group0_discarded": records_a[-1]["discarded"], "group0_seconds": round(times[-1] - times[0], 2),
                       "group0_longest_pause_s": round(max(pauses), 3), "group0_median_update_s":
                       round(sorted(pauses)[len(pauses) // 2], 3), "killed_at_step": killed_step,
                       "committed_alone": len(committed_alone), "group1_healed_at": second[0]["global_step"],
@@ -139,12 +200,16 @@ def test_a_replica_group_killed_and_restarted_recovers_from_its_peer_while_the_o
 
 @pytest.mark.slow
 def test_a_group_of_two_processes_restarted_by_torchrun_heals_from_the_other_group(tmp_path):
-    steps = 60
+    steps = EPOCHS * EXAMPLES // 2 // 8 // 2  # each group's half in batches of 8, two at a time
     torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1")
-    a_out, b_out = tmp_path / "group0", tmp_path / "group1"
+    a_out, b_out, back = tmp_path / "group0", tmp_path / "group1", tmp_path / "group1-is-back"
     with lighthouse_and_groups() as (address, processes):
-        processes += [group(a_out, 0, address, "agent.log", steps=steps, launcher=torchrun),
-                      group(b_out, 1, address, "agent.log", steps=steps, launcher=torchrun, args=("--kill-at", "10"))]
+        processes += [group(tmp_path, a_out, 0, address, "agent.log", launcher=torchrun, paced_until=back),
+                      group(tmp_path, b_out, 1, address, "agent.log", launcher=torchrun, kill_at=10)]
+        # (group 1's first ranks cannot complete update 11 without the rank that died at 10)
+        wait_for(lambda: any(r["global_step"] > 10 for r in lines(b_out / "records.jsonl")),
+                 "an update of group 1's restarted ranks", processes)
+        back.write_text("")
         for p, out in zip(processes, (a_out, b_out)):
             finish(p, out / "agent.log")
     assert (b_out / "killed").read_text() == "10"
@@ -159,4 +224,4 @@ def test_a_group_of_two_processes_restarted_by_torchrun_heals_from_the_other_gro
         for r in rows:  # rank r trains batch r of each pair of its group's share (Accelerate's split)
             batches = share(gid, r["epoch"])
             assert r["indices"] == batches[2 * (r["step_in_epoch"] - 1) + r["rank"]], (gid, r)
-    assert bitwise_equal_parameters(a_out, b_out)
+    assert bitwise_equal_parameters(tmp_path)

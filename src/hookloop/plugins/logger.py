@@ -54,6 +54,12 @@ class Logger:
         self.config = config
         self._prefix = ""
 
+    @property
+    def prints_what_it_logs(self) -> bool:
+        """With ``console=True`` every value it logs is also printed: without
+        a tracker ``loop.log`` does not say that they go to no tracker."""
+        return self.console
+
     @hookimpl(tryfirst=True)  # before any plugin logs: the trackers get this project name
     def on_fit_start(self, loop: LoopLike) -> None:
         loop.start_trackers(self.project_name, config=self.config)

@@ -11,8 +11,10 @@ class DefaultLoss:
     """``outputs.loss`` when the model returns one (a Hugging Face model given
     ``labels``), else ``cross_entropy(logits, targets)``.
 
-    ``trylast``: any plugin implementing ``compute_loss`` runs first and
-    replaces it by returning a tensor.
+    ``trylast``, and registered after the plugins: every plugin's
+    ``compute_loss``, ``trylast`` ones included, runs first and replaces it
+    by returning a tensor. A plugin named ``"loss"`` replaces it,
+    ``block=["loss"]`` removes it.
     """
 
     name = "loss"

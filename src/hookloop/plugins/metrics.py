@@ -29,6 +29,10 @@ class DefaultMetrics:
 
     Values go through ``gather_for_metrics``: every example once over all
     processes.
+
+    A ``compute_loss`` plugin changes the loss training minimises, not this
+    ``eval_loss``: a plugin evaluated by its own loss returns it per example
+    as ``eval_loss`` from ``after_eval_step`` with ``replaces = ("metrics",)``.
     """
 
     name = "metrics"

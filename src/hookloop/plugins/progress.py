@@ -113,6 +113,7 @@ class ProgressBar:
         self._copies: list[tuple[Any, dict[str, Any]]] = []  # [(ready: event or None, {key: host copy})], oldest first
         self._latest: dict[str, Any] = {}  # the newest copy that has arrived
         self._logged: Mapping[str, Any] | None = None  # loop.log's latest values that no tracker took
+        self._logbook: Any = None  # the loop's (hookloop.logbook.Logbook), while a fit runs
         self._file: TextIO = sys.stderr
         # the lines' schedule: line at the update _next_line or at the time _deadline
         self._total: int | None = None
@@ -129,18 +130,27 @@ class ProgressBar:
         if not loop.accelerator.is_main_process or self.disable is True:
             return
         # without a tracker the logbook keeps loop.log's latest values for us
-        self._logged = getattr(getattr(loop, "_logbook", None), "untracked", None)
+        self._logbook = getattr(loop, "_logbook", None)
+        self._logged = getattr(self._logbook, "untracked", None)
         self._file = sys.stderr
         if self.lines is not True:  # tqdm decides: no terminal, no bar (unless disable=False)
             bar = tqdm(total=loop.total_steps, initial=loop.state.global_step, disable=self.disable,
                        leave=self.leave, unit="step", dynamic_ncols=True)
             if not bar.disable:
                 self.bar, self.mode = bar, BAR
+                self._shows_untracked("the progress bar")
                 return
             bar.close()
             if self.lines is False:
                 return
         self._start_lines(loop)
+        self._shows_untracked("the progress lines")
+
+    def _shows_untracked(self, where):
+        """Tell the logbook that loop.log's untracked values are shown (its
+        message without a tracker says where); None when the fit is over."""
+        if self._logbook is not None and hasattr(self._logbook, "untracked_shown_by"):
+            self._logbook.untracked_shown_by = where
 
     def _start_lines(self, loop):
         step, total = loop.state.global_step, loop.total_steps
@@ -254,6 +264,8 @@ class ProgressBar:
         self._close()
 
     def _close(self):
+        if self.mode is not None:
+            self._shows_untracked(None)
         self._copies, self._latest, self._logged, self.mode = [], {}, None, None
         if self.bar is not None:
             self.bar.close()

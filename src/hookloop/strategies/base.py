@@ -30,11 +30,13 @@ class Strategy:
     with the same attributes (the loop reads them, it does not check the
     class).
 
-    A strategy is a plugin registered first among the built-ins, under
-    :attr:`name`. It implements ``training_step`` (and, to be evaluated,
-    ``eval_step``) with ``@hookimpl(trylast=True)``, so that a user plugin
-    returning a result replaces it, and calls the per-network hooks through
-    the kit's functions (:func:`loss_and_backward`, :func:`update`).
+    A strategy is a plugin, registered under :attr:`name`. It implements
+    ``training_step`` (and, to be evaluated, ``eval_step``) with
+    ``@hookimpl(trylast=True)`` and calls the per-network hooks through the
+    kit's functions (:func:`loss_and_backward`, :func:`update`). The loop
+    registers the built-ins with a ``trylast`` implementation after the
+    plugins, so the strategy's step answers only when no plugin's does
+    (``trylast`` ones included).
     """
 
     #: the plugin name users see (``hookloop plugins``, error messages);
@@ -64,8 +66,9 @@ class Strategy:
             )
 
     def default_plugins(self) -> list[Any]:
-        """Plugins registered with the strategy, after it, each replaceable by
-        a user plugin of the same name (a default loss, default metrics)."""
+        """Plugins registered with the strategy, each replaceable by a user
+        plugin of the same name (a default loss, default metrics); their
+        ``trylast`` implementations run after every plugin's."""
         return []
 
     # the hooks a strategy implements, with @hookimpl(trylast=True):

@@ -9,7 +9,8 @@ peer. No restart, no checkpoint read.
     import hookloop_torchft
     data = DataLoader(dataset, batch_size=8, sampler=hookloop_torchft.replica_share(dataset))
     loop = Loop(model=model, optimizer=optimizer, train_data=data,
-                plugins=[hookloop_torchft.FaultTolerant(), Checkpoint(dir=...)])
+                plugins=[hookloop_torchft.FaultTolerant(),
+                         Checkpoint(dir=f"checkpoints/group-{os.environ['REPLICA_GROUP_ID']}")])  # one per group
     loop.fit(max_steps=1000)
 
 The hooks it implements, and torchft's calls there: ``on_fit_start`` (the
