@@ -10,7 +10,7 @@ Rows (docs/checkpoints.md quotes them):
 
 - finiteness at save: every parameter, buffer and optimizer state tensor
   (``checkpointing.first_nonfinite``), against the naive per-tensor check;
-- CRC-32 (``safe_read.CRC32_IMPLEMENTATION``: ISA-L's when ``isal`` is
+- CRC-32 (``store.crc32``: ISA-L's when ``isal`` is
   installed, else zlib's): checksumming every file through a memory map (at
   load; at save ``torch.save`` files are checksummed as they are written);
 - save: a whole ``checkpointing.save`` (with fsync), the same without the
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
 
     from hookloop import Loop, checkpointing
-    from hookloop.checkpointing import finite, safe_read
+    from hookloop.checkpointing import finite, store as safe_read
     from hookloop.examples.text_classification import minilm_path
 
     hf_logging.set_verbosity_error()
@@ -113,18 +113,15 @@ def main(argv=None) -> int:
                                       keep_last=1)
 
         def crc_file(p):
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                return safe_read.crc32_fd(fd, p.stat().st_size)
-            finally:
-                os.close(fd)
+            with safe_read.open_checked(p, p.parent, limit=p.stat().st_size, what="a file") as opened:
+                return opened.crc32()
 
         path = save()
         files = [p for p in path.iterdir() if p.is_file()]
         size = sum(p.stat().st_size for p in files)
         row("CRC-32 of every file (memory map; at load)",
             median_ms(lambda: [crc_file(p) for p in files], args.repeat),
-            f"{size / 1e6:.0f} MB, {safe_read.CRC32_IMPLEMENTATION}")
+            f"{size / 1e6:.0f} MB, {safe_read.crc32.__module__}")
         row("save, all checks (checkpointing.save, fsync included)", median_ms(save, args.repeat))
         crc, refuse = safe_read.crc32, finite.refuse_nonfinite
         safe_read.crc32 = lambda data, value=0: 0
@@ -135,7 +132,7 @@ def main(argv=None) -> int:
             safe_read.crc32, finite.refuse_nonfinite = crc, refuse
 
         from hookloop.checkpointing import accelerate as accel
-        from hookloop.checkpointing import layout, writer
+        from hookloop.checkpointing import store as layout, writer
 
         def accelerate_save(fsync=False):
             folder = root.parent / f"plain-{next(counter)}"

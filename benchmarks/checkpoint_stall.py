@@ -230,7 +230,7 @@ def save_load_rows(out: Path, threads: int, repeat: int = 5, busy: bool = False)
 
     from hookloop import Loop, checkpointing, hookimpl
     from hookloop.checkpointing import accelerate as accel
-    from hookloop.checkpointing import layout, writer
+    from hookloop.checkpointing import store as layout, writer
 
     torch.set_num_threads(threads)
 

@@ -399,7 +399,7 @@ def test_best_k_keeps_what_the_synchronous_run_keeps_however_slow_the_writer(tmp
     *published* save: 3 runs in 4 lost one of the best two, silently.)"""
     import time
 
-    from hookloop.checkpointing import layout
+    from hookloop.checkpointing import store as layout
 
     def run(root, asynchronous):
         reset_accelerate()

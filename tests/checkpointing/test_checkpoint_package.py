@@ -17,7 +17,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader, TensorDataset
 
 from hookloop import checkpointing, hookimpl
-from hookloop.checkpointing import CheckpointError, CheckpointPolicy, collective, loading
+from hookloop.checkpointing import CheckpointError, CheckpointPolicy, collective, resume as loading
 from hookloop.plugins import Checkpoint
 from hookloop.rng import data_generators, keep_rng
 from hookloop.testing import reset_accelerate, tiny_loop

@@ -602,20 +602,23 @@ def test_a_plugin_that_adds_a_param_group_restores_early_or_gets_a_clear_error(t
 # -- hookloop 0.1 checkpoints still load ------------------------------------------------------
 
 
-def test_a_version_1_checkpoint_still_resumes_and_its_run_rotates_as_before(tmp_path):
+def test_a_version_1_checkpoint_is_refused_naming_the_hookloop_that_wrote_it(tmp_path):
+    # 0.5 reads the checkpoints of 0.3 and 0.4 (tests/checkpointing/test_guarantees_0_5.py); 0.1's
+    # format (version 1) gets a clear error, nothing loaded
     make(tmp_path, keep_last=None).fit(max_steps=4)
     for ckpt in tmp_path.glob("step-*"):  # what hookloop 0.1 wrote: no checksums, no run id
         file = ckpt / "hookloop.json"
         doc = json.loads(file.read_text())
         for key in ("crc32", "run_id", "root", "settings", "classes", "checks", "manifest_crc32"):
             del doc[key]
-        doc["version"] = 1
+        doc["version"], doc["versions"]["hookloop"] = 1, "0.1.0"
         doc["loop"].pop("micro_step")
         file.write_text(json.dumps(doc))
-    loop = make(tmp_path, resume_from="latest", keep_last=2)
-    assert loop.state.global_step == 4 and loop.state.micro_step == 4
-    loop.fit(max_steps=8)
-    assert tree(tmp_path) == ["latest", "step-00000006", "step-00000008-epoch-end"]  # 0.1 ones rotated
+    with pytest.raises(CheckpointError, match=r"step-00000004' was written by hookloop 0\.1\.0 \(format version "
+                                              r"1\), which this hookloop does not read: checkpoints of hookloop 0\.3"):
+        make(tmp_path, resume_from=tmp_path / "step-00000004")
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint .*written by hookloop 0\.1\.0"):
+        make(tmp_path, resume_from="latest")
 
 
 @pytest.mark.slow

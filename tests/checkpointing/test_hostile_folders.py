@@ -20,6 +20,7 @@ import zlib
 import pytest
 
 from hookloop import checkpointing
+from hookloop.checkpointing import saving
 from hookloop.checkpointing import CheckpointError
 from hookloop.plugins import Checkpoint
 from hookloop.testing import reset_accelerate, tiny_loop
@@ -124,8 +125,9 @@ def test_a_foreign_folder_with_a_hostile_manifest_never_stops_the_next_fit(root)
     assert (root / "latest").read_text().strip() == "step-00000006"
     assert (root / "step-00000999" / "hookloop.json").exists()  # left alone, never rotated away
     with pytest.warns(RuntimeWarning, match=r"skipping .*step-00000999"):
-        assert checkpointing.best_checkpoints(loop, root, "loss", "min") == []
-        assert checkpointing.foreign_checkpoints(loop, root) == []
+        scan = saving.Scan(root)  # (each manifest read once: one warning)
+        assert scan.best(loop.state.run, "loss", "min") == []
+        assert scan.foreign(loop.state.run) == []
 
 
 def test_a_fresh_run_starts_beside_a_foreign_folder_with_a_hostile_manifest(tmp_path):
@@ -315,7 +317,7 @@ def test_latest_names_what_the_saving_code_writes_a_generation_too(root):
 
 
 def test_the_helper_refuses_what_is_not_a_regular_file_inside_its_root(tmp_path):
-    from hookloop.checkpointing import safe_read
+    from hookloop.checkpointing import store as safe_read
 
     (tmp_path / "dir").mkdir()
     (tmp_path / "small").write_bytes(b"12345")

@@ -93,7 +93,7 @@ def forbid_reading(monkeypatch):
     def stage(*args, **kwargs):
         raise AssertionError("a checkpoint was read")
     try:
-        from hookloop.checkpointing import loading
+        from hookloop.checkpointing import resume as loading
     except ImportError:  # hookloop 0.2: one module
         return
     monkeypatch.setattr(loading, "stage", stage)
@@ -311,7 +311,7 @@ def test_a_run_folder_held_by_a_live_run_is_never_taken_for_a_fresh_run(tmp_path
 
 
 def test_a_run_folder_taken_meanwhile_gives_the_next_one(tmp_path, monkeypatch):
-    from hookloop.checkpointing import layout
+    from hookloop.checkpointing import store as layout
 
     base = tmp_path / "checkpoints"
     original = layout.next_run_name
@@ -359,7 +359,7 @@ def test_the_temporary_folders_of_two_runs_saving_at_once_do_not_collide(tmp_pat
 
 
 def test_clean_removes_dead_leftovers_and_leaves_a_live_save_alone(tmp_path):
-    from hookloop.checkpointing import layout
+    from hookloop.checkpointing import store as layout
 
     root = tmp_path
     dead = root / ".tmp-step-00000002-deadbeef-1"

@@ -69,7 +69,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, IterableDataset, Sampler, TensorDataset
 
 from hookloop import Loop, Network, hookimpl
-from hookloop.checkpointing import codec, layout, writer
+from hookloop.checkpointing import codec, store as layout, writer
 from hookloop.plugins import Checkpoint, GradClip
 from hookloop.preemption import Preempted
 

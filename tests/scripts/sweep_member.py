@@ -24,7 +24,7 @@ def _barrier(workdir: Path, tag: str, together: int):
 
     modules = [checkpointing]
     try:
-        from hookloop.checkpointing import layout
+        from hookloop.checkpointing import store as layout
     except ImportError:  # hookloop 0.2: one module
         pass
     else:

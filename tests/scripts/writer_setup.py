@@ -61,7 +61,7 @@ def name_of(folder) -> str:
 
 
 def setup() -> None:
-    from hookloop.checkpointing import layout, writer
+    from hookloop.checkpointing import store as layout, writer
 
     config = json.loads(os.environ[CONFIG])
     events, slow = config.get("events"), config.get("slow", 0)

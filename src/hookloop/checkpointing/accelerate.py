@@ -1,9 +1,11 @@
-"""Everything that knows Accelerate's side of a checkpoint, in one place: the
-names of the files ``accelerator.save_state`` writes, the accelerator's
-private lists of prepared objects and hooks, its process state, writing its
-files as ``save_state`` does, reading them the safe way (``weights_only=True``,
-safetensors from a memory map), and putting states into its objects as
-``accelerator.load_state`` does. When Accelerate changes, read this again.
+"""The one module that knows Accelerate's side of a checkpoint: the names of
+the files ``accelerator.save_state`` writes, the accelerator's private lists
+of prepared objects and hooks, its process state and distributed types,
+writing its files as ``save_state`` does, reading them the safe way
+(``weights_only=True``; safetensors parsed by safetensors), and putting
+states into its objects as ``accelerator.load_state`` does. Every private
+name used here is listed by ``tests/checkpointing/test_accelerate_adapter.py``,
+which fails on an Accelerate that moved one: when it does, read this again.
 """
 
 from __future__ import annotations
@@ -17,15 +19,15 @@ import numpy as np
 import torch
 from accelerate.utils import OPTIMIZER_NAME, RNG_STATE_NAME, SAFE_WEIGHTS_NAME, SCHEDULER_NAME
 
-from . import safe_read
 from .errors import CheckpointError, first_line
 
 SCALER_FILE = "scaler.pt"
-#: Accelerate's data loader files: a seedable sampler, a stateful loader's state
-LOADER_FILE = re.compile(r"^(sampler|dl_state_dict)(_\d+)?\.bin$")
 #: Accelerate's distributed types whose ``save_state`` writes the plain format
 PLAIN_TYPES = {"NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
                "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON"}
+#: those whose states are sharded over the processes (their position maps onto no other number of them);
+#: hookloop writes and reads FSDP's, and refuses the others (their engines save themselves)
+SHARDED_TYPES = ("FSDP", "DEEPSPEED", "MEGATRON_LM")
 
 
 def numbered(stem: str, i: int, ext: str = "bin") -> str:
@@ -58,6 +60,13 @@ def rng_file(rank: int) -> str:
     return f"{RNG_STATE_NAME}_{rank}.pkl"
 
 
+#: Accelerate's data loader files: a seedable sampler, a stateful loader's state
+LOADER_FILE = re.compile(r"^(sampler|dl_state_dict)(_\d+)?\.bin$")
+#: Accelerate's per-object files besides the models' and optimizers' (each process reads its own)
+SMALL_FILE = re.compile(rf"^({RNG_STATE_NAME}_\d+\.pkl|{SCHEDULER_NAME}(_\d+)?\.bin|custom_checkpoint_\d+\.pkl|"
+                        rf"{re.escape(SCALER_FILE)}|(sampler|dl_state_dict)(_\d+)?\.bin)$")
+
+
 def written_by_save_state(path) -> bool:
     return any((path / name).is_file() for name in (model_file(0), legacy_model_file(0),
                                                     optimizer_file(0), rng_file(0)))
@@ -78,6 +87,11 @@ def custom_objects(acc) -> list:
     return acc._custom_objects
 
 
+def scheduler_objects(acc) -> list:
+    """The schedulers ``save_state`` writes as ``scheduler*.bin``, in order."""
+    return acc._schedulers
+
+
 def kind(acc) -> str:
     """Accelerate's distributed type, by name (``"NO"``, ``"FSDP"`` ...)."""
     return getattr(getattr(acc, "distributed_type", None), "name", "")
@@ -93,16 +107,6 @@ def process_count() -> int:
     from accelerate.state import PartialState
 
     return PartialState._shared_state.get("num_processes", 1)
-
-
-def scheduler_objects(acc) -> list:
-    """The schedulers ``save_state`` writes as ``scheduler*.bin``, in order
-    (under DeepSpeed not those its engine saves, as Accelerate filters them)."""
-    if kind(acc) == "MEGATRON_LM":
-        return []
-    if kind(acc) == "DEEPSPEED":
-        return [s for s in acc._schedulers if type(s).__name__ != "DeepSpeedSchedulerWrapper"]
-    return acc._schedulers
 
 
 def counts(acc) -> dict:
@@ -126,7 +130,7 @@ def describe(loop, files, unprepared=None) -> dict:
     for name, net in loop.networks.items():
         entry: dict[str, Any] = {}
         for part, objects in (("model", acc._models), ("optimizer", acc._optimizers),
-                              ("scheduler", scheduler_objects(acc))):
+                              ("scheduler", acc._schedulers)):
             obj = getattr(net, part)
             # (Accelerate keeps DDP's inner module)
             i = next((i for i, o in enumerate(objects) if o is obj or (part == "model" and o is net.unwrapped)), None)
@@ -151,21 +155,9 @@ COMPILED_WRAPPER = "_orig_mod"
 
 
 def plain_name(key: str) -> str:
-    """A tensor's name as the model has it uncompiled: without the
-    ``_orig_mod`` components a compiled model (or compiled region) adds, as
+    """A tensor's name as the model has it uncompiled, as
     ``accelerator.save_model`` and ``torch.distributed.checkpoint`` name it."""
-    if COMPILED_WRAPPER not in key:
-        return key
-    return ".".join(part for part in key.split(".") if part != COMPILED_WRAPPER)
-
-
-def plain_names(state: dict) -> dict:
-    """``state`` (a model's weights) under the plain names (:func:`plain_name`):
-    what hookloop writes, so that a checkpoint is the same whether the model
-    that trained it was compiled or not. ``state`` itself when no name changes."""
-    if not any(COMPILED_WRAPPER in key for key in state):
-        return state
-    return type(state)((plain_name(key), value) for key, value in state.items())
+    return key if COMPILED_WRAPPER not in key else ".".join(p for p in key.split(".") if p != COMPILED_WRAPPER)
 
 
 def in_model_names(state: dict, names) -> dict:
@@ -173,8 +165,7 @@ def in_model_names(state: dict, names) -> dict:
     hookloop writes them; or a compiled model's, as hookloop up to
     0.4.0.dev0 and ``accelerator.save_state`` write them), under the names
     the model it is loaded into uses (``names``: its ``state_dict()``'s
-    keys). A name with no counterpart stays as it is (the shapes check names
-    it); ``state`` itself when the names already agree."""
+    keys). A name with no counterpart stays as it is."""
     names = set(names)
     if all(key in names for key in state):
         return state
@@ -201,7 +192,8 @@ def heavy_states(acc, folder) -> list:
     """What ``save_state`` writes of the models and optimizers:
     ``[rel, kind, state, metadata]`` of this process's share (the main
     process's, as Accelerate's ``save``), after the
-    ``register_save_state_pre_hook`` hooks saw the weights."""
+    ``register_save_state_pre_hook`` hooks saw the weights; the weights
+    under their plain names (a compiled model's as its eager model names them)."""
     from accelerate.state import PartialState
     from accelerate.utils.other import clean_state_dict_for_safetensors
 
@@ -211,7 +203,8 @@ def heavy_states(acc, folder) -> list:
     state = PartialState()
     if not (state.is_local_main_process if acc.project_configuration.save_on_each_node else state.is_main_process):
         return []
-    weights = [plain_names(w) for w in weights]  # (a compiled model's: as its eager model names them)
+    weights = [w if not any(COMPILED_WRAPPER in k for k in w) else type(w)((plain_name(k), v) for k, v in w.items())
+               for w in weights]
     out = [[model_file(i), "safetensors", clean_state_dict_for_safetensors(w) if isinstance(w, OrderedDict) else w,
             {"format": "pt"}] for i, w in enumerate(weights)]  # (cleaned as accelerate.utils.save does)
     return out + [[optimizer_file(i), "torch", o.state_dict(), None] for i, o in enumerate(acc._optimizers)]
@@ -225,9 +218,8 @@ def save_small_files(acc, folder) -> None:
     from accelerate.state import PartialState
 
     each_node = acc.project_configuration.save_on_each_node
-    save_accelerator_state(str(folder), [], [], scheduler_objects(acc), acc._dataloaders,
-                           PartialState().process_index, acc.step, acc.scaler,
-                           save_on_each_node=each_node, safe_serialization=True)
+    save_accelerator_state(str(folder), [], [], acc._schedulers, acc._dataloaders, PartialState().process_index,
+                           acc.step, acc.scaler, save_on_each_node=each_node, safe_serialization=True)
     for i, obj in enumerate(acc._custom_objects):
         save_custom_state(obj, str(folder), i, save_on_each_node=each_node)
     acc.project_configuration.iteration += 1
@@ -237,16 +229,14 @@ def save_small_files(acc, folder) -> None:
 
 
 def torch_load(source, rel: str, where: str, what: str):
-    """``torch.load(weights_only=True)`` of an opened file (its descriptor,
-    not opened again), a file object or bytes, as Accelerate reads its files
+    """``torch.load(weights_only=True)`` of an opened file (read through its
+    descriptor, not opened again) or bytes, as Accelerate reads its files
     (numpy's RNG types allowed). The error never suggests ``weights_only=False``."""
     import io
 
     from accelerate.utils import load as accelerate_load
 
     try:
-        if isinstance(source, io.IOBase):  # (a file object: safe_read.ChecksummingReader)
-            return accelerate_load(source, map_location="cpu")
         with io.BytesIO(source) if isinstance(source, bytes) else source.reader() as f:
             return accelerate_load(f, map_location="cpu")
     except Exception as exc:  # noqa: BLE001
@@ -260,47 +250,18 @@ def torch_load(source, rel: str, where: str, what: str):
                               f"({type(exc).__name__}: {first_line(exc)})") from None
 
 
-_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
-           "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
-           "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-           "C64": "complex64"}
+def safetensors_load(opened, rel: str, where: str, what: str) -> tuple[dict, dict]:
+    """``(tensors, metadata)`` of a safetensors file, parsed by safetensors
+    from the open (checked) file's descriptor: its tensors map the file's
+    pages, read when first touched."""
+    from safetensors import safe_open
 
-
-def safetensors_load(opened: safe_read.Opened, rel: str, where: str, what: str) -> dict:
-    """The tensors of a safetensors file, from its open descriptor's memory
-    map (the pages are read when first touched: by the checks, then by
-    ``load_state_dict``); its header parsed with a size and depth limit."""
-    def corrupt(why):
-        return CheckpointError(f"{where}: cannot read {what} from {rel}: it is corrupt ({why})")
-
-    length = int.from_bytes(opened.read_at(0, 8), "little")
-    if opened.size < 8 or length > min(safe_read.HEADER_LIMIT, opened.size - 8):
-        raise corrupt(f"its header claims {length} bytes, the file has {opened.size}")
     try:
-        header = safe_read.loads_json(opened.read_at(8, length), opened.file)
-    except CheckpointError as exc:
-        raise corrupt(exc) from None
-    mapped, base, out = opened.mmap(), 8 + length, {}
-    if not isinstance(header, dict):
-        raise corrupt("its header is not a safetensors header")
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        shape, offsets = (entry.get("shape"), entry.get("data_offsets")) if isinstance(entry, dict) else (0, 0)
-        if not (isinstance(entry, dict) and isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2
-                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape + offsets)
-                and entry.get("dtype") in _DTYPES and offsets[0] <= offsets[1] <= opened.size - base):
-            raise corrupt("its header is not a safetensors header")
-        dtype = getattr(torch, _DTYPES[entry["dtype"]])
-        start, end, numel = base + offsets[0], base + offsets[1], int(np.prod(shape, dtype=np.int64))
-        if end - start != numel * dtype.itemsize:
-            raise corrupt(f"tensor {key!r} has {end - start} bytes for shape {shape}")
-        if numel == 0:
-            out[key] = torch.empty(shape, dtype=dtype)
-        else:  # (an unaligned tensor, of an old writer: a copy)
-            buffer, at = (mapped, start) if start % dtype.itemsize == 0 else (bytearray(mapped[start:end]), 0)
-            out[key] = torch.frombuffer(buffer, dtype=dtype, count=numel, offset=at).reshape(shape)
-    return out
+        with safe_open(opened.path(), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+    except Exception as exc:  # noqa: BLE001 - a header safetensors refuses, any dtype it does not know
+        raise CheckpointError(f"{where}: cannot read {what} from {rel}: it is corrupt "
+                              f"({type(exc).__name__}: {first_line(exc)})") from None
 
 
 # -- putting states into Accelerate's objects, as load_state does -------------------------
@@ -313,9 +274,10 @@ def before_load(acc, path, with_models: bool) -> None:
         hook(list(acc._models) if with_models else [], str(path))
 
 
-def load_model_state(model, state: dict) -> None:
+def load_model_state(model, state: dict, strict: bool = True) -> dict:
     """``safetensors.torch.load_model`` from a state dict in memory (tied
-    weights are stored once)."""
+    weights are stored once): ``{"missing", "unexpected"}`` names, which
+    ``strict`` refuses."""
     from safetensors.torch import _remove_duplicate_names
 
     to_removes = _remove_duplicate_names(model.state_dict(), preferred_names=list(state))
@@ -326,8 +288,9 @@ def load_model_state(model, state: dict) -> None:
             missing.remove(name)
         else:
             unexpected.append(name)
-    if missing or unexpected:
+    if strict and (missing or unexpected):
         raise RuntimeError(f"missing keys {sorted(missing)}, unexpected keys {sorted(unexpected)}")
+    return {"missing": sorted(missing), "unexpected": list(unexpected)}
 
 
 def load_scaler(acc, state, lazy_init: bool = False) -> None:
@@ -343,7 +306,7 @@ def restore_rest(acc, staged, custom: list, apply) -> None:
     ``apply(what, rel, fn)`` names the file if ``fn`` fails."""
     from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
 
-    for i, scheduler in enumerate(scheduler_objects(acc)):
+    for i, scheduler in enumerate(acc._schedulers):
         apply("a scheduler state", scheduler_file(i), lambda o=scheduler, s=staged.schedulers[i]: o.load_state_dict(s))
     where = f"checkpoint {str(staged.path)!r}"
     mid_epoch = bool(((staged.doc or {}).get("loop") or {}).get("step_in_epoch"))
@@ -358,12 +321,11 @@ def restore_rest(acc, staged, custom: list, apply) -> None:
         if mid_epoch and rel in staged.extra:
             loader.load_state_dict(torch_load(staged.extra[rel], rel, where, "a data loader's state"))
         else:
-            # Between epochs the saved state is of a finished iterator: torchdata would make
-            # one from it, then a fresh one (two seeds drawn from the global random state where
-            # the uninterrupted run draws one) and hand a Stateful dataset its finished
-            # position. The next epoch starts afresh instead, from a fresh iterator: ``{}``
-            # also drops the one the loader made when prepared (which it would reuse, drawing
-            # no seed at all).
+            # Between epochs the saved state is of a finished iterator: torchdata would make one
+            # from it, then a fresh one (two seeds drawn from the global random state where the
+            # uninterrupted run draws one) and hand a Stateful dataset its finished position. The
+            # next epoch starts afresh: ``{}`` also drops the iterator the loader made when prepared
+            # (which it would reuse, drawing no seed at all).
             loader.load_state_dict({})
     if acc.scaler is not None and staged.scaler is not None:
         apply("the gradient scaler state", SCALER_FILE, lambda: load_scaler(acc, staged.scaler))

@@ -21,7 +21,7 @@ import torch
 from ..epoch_values import EpochValues
 from ..rng import SAMPLER_PREFIX, data_generators, sampler_states, unrestorable_samplers
 from .errors import CheckpointError
-from .layout import FORMAT
+from .store import FORMAT
 
 
 def stateful_plugins(loop):
@@ -186,16 +186,11 @@ def _warn_unrestorable_samplers(loop) -> None:
             RuntimeWarning, stacklevel=2)
 
 
-def parse_rank_file(data: bytes):
-    """``(epoch_start, generators_now, logged)`` from a rank file's bytes,
-    every random state checked by loading it into a scratch generator (a
-    garbled one fails here, not inside ``random.setstate`` during ``fit``);
-    ``logged`` as :meth:`EpochValues.state_dict` gives it."""
-    from safetensors.torch import load as load_bytes
-
-    tensors = load_bytes(data)
-    size = int.from_bytes(data[:8], "little")
-    meta = json.loads(data[8:8 + size]).get("__metadata__") or {}
+def parse_rank_file(tensors: dict, meta: dict):
+    """``(epoch_start, generators_now, logged)`` from a rank file's tensors and
+    metadata, every random state checked by loading it into a scratch
+    generator (a garbled one fails here, not inside ``random.setstate``
+    during ``fit``); ``logged`` as :meth:`EpochValues.state_dict` gives it."""
     epoch: dict[str, Any] | None = None
     if "epoch.torch" in tensors:
         epoch = {

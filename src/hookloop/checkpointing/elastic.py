@@ -1,6 +1,6 @@
 """Where a checkpoint continues when this run cuts its global batch otherwise:
 another number of processes, another batch size, another gradient
-accumulation (:func:`plan`, called by :func:`~.compat.check_resume`).
+accumulation (:func:`plan`, called by :func:`~.stage.check_resume`).
 
 The data position is counted in *examples of the epoch's global order*.
 With Accelerate's default (non-dispatched) sharding of a map-style dataset,
@@ -56,10 +56,6 @@ CUT = ("num_processes", "batch_size", "gradient_accumulation_steps", "batches_pe
        "examples_per_batch", "global_batch_size", "examples_in_epoch", "sampler_generator",
        "loader_generator")
 
-#: Accelerate's sharded distributed types (their position maps onto no other number of processes)
-SHARDED = ("FSDP", "DEEPSPEED", "MEGATRON_LM")
-
-
 @dataclass
 class Plan:
     """How a checkpoint continues in this loop."""
@@ -114,7 +110,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 def plan(loop, path, doc: dict, now: dict, strict: bool) -> Plan:
     """Compare the checkpoint's run settings with this run's (``now``,
-    :func:`~.compat.run_settings`) and decide where it continues; raises
+    :func:`~.stage.run_settings`) and decide where it continues; raises
     :class:`CheckpointError` naming what to change when it cannot."""
     where = f"checkpoint {str(path)!r}"
     acc = loop.accelerator
@@ -156,8 +152,11 @@ def plan(loop, path, doc: dict, now: dict, strict: bool) -> Plan:
     elif p_saved != p_now and getattr(loop.train_data, "use_stateful_dataloader", False):
         unmappable = ("its train_data is a stateful loader (use_stateful_dataloader), whose saved state "
                       "is one process's position in its own shard")
-    elif p_saved != p_now and getattr(getattr(acc, "distributed_type", None), "name", "") in SHARDED:
-        unmappable = f"it is a sharded ({acc.distributed_type.name}) checkpoint"
+    elif p_saved != p_now and accel.kind(acc) in accel.SHARDED_TYPES:
+        unmappable = f"it is a sharded ({accel.kind(acc)}) checkpoint"
+    elif p_saved != p_now and "sampler_generator" not in saved:
+        unmappable = ("it does not record which generator drew its shuffle (it was written by hookloop "
+                      f"{(doc.get('versions') or {}).get('hookloop', '0.3')})")
     if unmappable is not None:
         if p_saved != p_now:
             raise CheckpointError(
@@ -182,9 +181,7 @@ def plan(loop, path, doc: dict, now: dict, strict: bool) -> Plan:
     if unit_s != unit_n:
         result.scheduler_ratio = (unit_s, unit_n)
     if p_saved != p_now:
-        if "sampler_generator" in saved:
-            result.roles = {"sampler": saved.get("sampler_generator"),
-                            "loader": saved.get("loader_generator")}
+        result.roles = {"sampler": saved.get("sampler_generator"), "loader": saved.get("loader_generator")}
     was_cut, now_cut = describe_cut(p_saved, b_s, g_s, split_s), describe_cut(p_now, b_n, g_n, split_n)
     where_now = (f"{drawn} examples of epoch {epoch} were drawn ({k} batch(es) of {epb_s} over all "
                  f"processes): this run continues after {k_new} batch(es) of {epb_n}")
@@ -317,18 +314,8 @@ def merged_logged(parts: dict, rank: int, plan: Plan) -> dict:
     return out
 
 
-def guessed_roles(generators: dict) -> dict:
-    """The generator roles of a loader whose checkpoint does not record them
-    (hookloop 0.3.0), from the paths of its generators."""
-    if "synchronized_generator" in generators:
-        return {"sampler": "synchronized_generator", "loader": "global"}
-    if "generator" in generators:
-        return {"sampler": "generator", "loader": "generator"}
-    return {"sampler": "global", "loader": "global"}
-
-
 def continue_epoch(loop, staged, plan: Plan, parts: dict | None, messages: list) -> tuple:
-    """What :func:`~.loading.load` gives the run state after the commit:
+    """What :func:`~.resume.load` gives the run state after the commit:
     ``(epoch_start, generators now, loop.log values)`` of this process, and
     the position in this run's batches when it was mapped. On another
     number of processes every rank continues the epoch from the saved rank
@@ -351,15 +338,7 @@ def epoch_for(loop, parts: dict, plan: Plan, messages: list) -> tuple:
     names them (:func:`hookloop.rng.translate_epoch`), from the saved rank
     0's: every rank continues the shuffle rank 0 drew."""
     epoch_start, generators, _ = parts[0]
-    roles = plan.roles
-    if roles is None:
-        roles = guessed_roles((epoch_start or {}).get("generators") or generators)
-        messages.append(
-            "the checkpoint does not record which generator drew its shuffle (hookloop 0.3.0): "
-            f"taken to be {roles['sampler']!r} (the loader's own: {roles['loader']!r}); if that is "
-            "wrong, the rest of the epoch is drawn in another order"
-        )
-    data = loop.train_data
+    roles, data = plan.roles or {}, loop.train_data
     return translate_epoch(epoch_start, roles, data), translate_generators(generators, roles, data)
 
 

@@ -4,6 +4,7 @@ is loaded. :func:`first_nonfinite` is the one fast check both sides use.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -11,8 +12,8 @@ import torch
 
 from . import accelerate as accel
 from .errors import CheckpointError, NonFiniteCheckpoint
-from .layout import LATEST, read_latest_quietly
 from .manifest import peek
+from .store import LATEST, read_latest_quietly
 
 
 def first_nonfinite(tensors) -> int | None:
@@ -45,6 +46,17 @@ def first_nonfinite(tensors) -> int | None:
         if not bool(tensors[i].isfinite().all()):
             return i
     return None
+
+
+def first_bad(labelled: list):
+    """``(labels..., value)`` of the first ``(labels..., tensor)`` of
+    ``labelled`` holding a NaN or an infinity (the first such element), or None."""
+    bad = first_nonfinite(item[-1] for item in labelled)
+    if bad is None:
+        return None
+    *labels, tensor = labelled[bad]
+    flat = tensor.detach().reshape(-1)
+    return (*labels, flat[~flat.isfinite()][0].item())
 
 
 def _floating(t) -> bool:
@@ -96,13 +108,8 @@ def first_nonfinite_update(loop, after: int = 0):
 def refuse_nonfinite(loop, root: Path, name: str, step: int):
     """A :class:`NonFiniteCheckpoint` to raise instead of saving ``name``,
     or None if every parameter and optimizer state is finite."""
-    items = list(state_tensors(loop))
-    bad = first_nonfinite(t for *_, t in items)
-    if bad is None:
-        return None
-    network, what, tensor = items[bad]
-    flat = tensor.detach().reshape(-1)
-    return refusal(loop, root, name, step, network, what, flat[~flat.isfinite()][0].item())
+    found = first_bad(list(state_tensors(loop)))
+    return None if found is None else refusal(loop, root, name, step, *found)
 
 
 def refusal(loop, root: Path, name: str, step: int, network: str, what: str, value,
@@ -110,8 +117,9 @@ def refusal(loop, root: Path, name: str, step: int, network: str, what: str, val
     """The :class:`NonFiniteCheckpoint` refusing checkpoint ``name``: network
     ``network``'s ``what`` holds ``value``; when it first went bad (from the
     plugins' records) and the last finite checkpoint ``latest`` names."""
-    latest = read_latest_quietly(root)
-    last_ok = ((peek(root / latest) or {}).get("loop") or {}).get("global_step", 0) if latest else 0
+    latest, last_ok = read_latest_quietly(root), 0
+    with contextlib.suppress(CheckpointError, AttributeError):
+        last_ok = peek(root / latest)["loop"]["global_step"] if latest else 0
     first = first_nonfinite_update(loop, after=last_ok)
     if first is not None:
         when = f"The values first went bad at update {first[0]} ({first[2]}). "
@@ -144,11 +152,7 @@ def check_staged_finite(models, optimizers, where) -> None:
             if isinstance(entry, dict):
                 items += [(rel, f"state {k!r} of parameter #{index}", t) for k, t in entry.items()
                           if isinstance(t, torch.Tensor) and _floating(t)]
-    bad = first_nonfinite(t for *_, t in items)
-    if bad is not None:
-        rel, what, t = items[bad]
-        flat = t.reshape(-1)
-        raise CheckpointError(
-            f"{where}: {rel} holds non-finite values ({what}: {flat[~flat.isfinite()][0].item()}): "
-            "the weights of that run had gone NaN or infinite when it was saved"
-        )
+    if (found := first_bad(items)) is not None:
+        rel, what, value = found
+        raise CheckpointError(f"{where}: {rel} holds non-finite values ({what}: {value}): the weights of that "
+                              "run had gone NaN or infinite when it was saved")

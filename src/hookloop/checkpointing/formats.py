@@ -9,9 +9,7 @@ files, saves and restores them (staging verifies every file alike):
   each a ``torch.distributed.checkpoint`` (DCP) folder; ``FULL_STATE_DICT``:
   ``pytorch_model_fsdp.bin`` and ``optimizer.bin`` from rank 0; read back by
   Accelerate's ``load_fsdp_model`` / ``load_fsdp_optimizer``.
-- :class:`DeepSpeed`: the engine's ``pytorch_model/`` folder, read back by its
-  ``load_checkpoint``; :class:`Megatron`: Megatron-LM's layout, read back by
-  ``accelerator.load_state``.
+- DeepSpeed and Megatron-LM save themselves (their engines' formats): refused.
 - ``dcp``, per network: a model the user sharded (``fully_shard``,
   ``Loop(prepare=False)``), written by hookloop as ``dcp/<network>/`` (a DCP
   folder of ``{"model", "optimizer"}``, and ``scheduler.bin``).
@@ -31,16 +29,14 @@ import pickle
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from . import accelerate as accel
 from .errors import CheckpointError, first_line
-from .layout import TENSORS_FILE, fsync_file
-from .safe_read import crc32_fd
+from .store import TENSORS_FILE, synced_sum
 
-PLAIN, FSDP_, DEEPSPEED, MEGATRON, DCP = "plain", "fsdp", "deepspeed", "megatron", "dcp"
+PLAIN, FSDP_, DCP = "plain", "fsdp", "dcp"
 #: hookloop's folder of the networks the user sharded
 DCP_DIR = "dcp"
 #: a shard file and the rank that wrote it: DCP, DeepSpeed's ZeRO, FSDP's LOCAL_STATE_DICT
@@ -130,41 +126,29 @@ class FSDP(Plain):
                 for i, m in enumerate(accel.models(loop.accelerator))}
 
 
-class DeepSpeed(Plain):
-    name, writes_itself = DEEPSPEED, False
-
-    def file(self, part: str, i: int) -> str:
-        return accel.scheduler_file(i) if part == "scheduler" else f"pytorch_model{'_' + str(i) if i else ''}"
-
-    def restore(self, loop, staged, apply) -> None:
-        for i, engine in enumerate(accel.models(loop.accelerator)):
-            tag = self.file("model", i)
-            apply(f"the weights of accelerator model #{i}", tag,
-                  lambda m=engine, t=tag: m.load_checkpoint(str(staged.path), t))
-
-
-class Megatron(Plain):
-    name, writes_itself, whole = MEGATRON, False, True
-
-    def restore(self, loop, staged, apply) -> None:
-        apply("the Megatron-LM state", str(staged.path), lambda: loop.accelerator.load_state(str(staged.path)))
-
-
 def of_accelerator(acc) -> Plain:
     """The format ``acc``'s ``save_state`` writes."""
-    if accel.kind(acc) == "FSDP":
+    kind = accel.kind(acc)
+    if kind == "FSDP":
         plugin = acc.state.fsdp_plugin
         return FSDP(int(plugin.fsdp_version), getattr(plugin.state_dict_type, "name", str(plugin.state_dict_type)))
-    fmt = {"DEEPSPEED": DeepSpeed, "MEGATRON_LM": Megatron}.get(accel.kind(acc), Plain)()
-    fmt.writes_itself = fmt.writes_itself and accel.kind(acc) in accel.PLAIN_TYPES
+    if kind in accel.SHARDED_TYPES:
+        raise CheckpointError(f"hookloop's checkpoints are not written or read under {kind}: its engine saves "
+                              "and loads its own (accelerator.save_state / load_state, outside a Checkpoint plugin)")
+    fmt = Plain()
+    fmt.writes_itself = kind in accel.PLAIN_TYPES
     return fmt
 
 
 def of_manifest(sharding: dict | None) -> Plain:
     """The format a checkpoint was written in (its manifest's ``sharding``)."""
     fmt = (sharding or {}).get("accelerate") or {"format": PLAIN}
-    return {FSDP_: lambda: FSDP(fmt.get("fsdp_version", 1), fmt.get("state_dict_type", "")),
-            DEEPSPEED: DeepSpeed, MEGATRON: Megatron}.get(fmt["format"], Plain)()
+    if fmt["format"] == FSDP_:
+        return FSDP(fmt.get("fsdp_version", 1), fmt.get("state_dict_type", ""))
+    if fmt["format"] != PLAIN:
+        raise CheckpointError(f"this checkpoint is in the {fmt['format']!r} format, which hookloop no longer "
+                              "reads: load it with accelerator.load_state")
+    return Plain()
 
 
 # -- a run's networks --------------------------------------------------------------------
@@ -254,9 +238,7 @@ def save_sharded(loop, tmp: Path, sharding: dict) -> dict:
     for file in sorted(tmp.rglob("*")):
         rel = file.relative_to(tmp).as_posix()
         if file.is_file() and owner(rel) == loop.accelerator.process_index:
-            fsync_file(file)
-            with open(file, "rb") as f:
-                own[rel] = (file.stat().st_size, crc32_fd(f.fileno(), file.stat().st_size))
+            own[rel] = synced_sum(file)
     return own
 
 
@@ -292,16 +274,15 @@ class Sharded:
 
 def stage_sharded(folder, rank: int) -> Sharded:
     """Verify this rank's share of a sharded checkpoint (a
-    :class:`~.reading.Folder`): every DCP ``.metadata`` (read safely), the
+    :class:`~.stage.Folder`): every DCP ``.metadata`` (read safely), the
     shard files it wrote and (rank 0) every other file the plain staging does
     not read, and the non-tensor items of its shards (``weights_only=True``)."""
     doc = folder.doc
     out = Sharded(doc["sharding"])
     for part in sorted({rel.rsplit("/", 1)[0] for rel in doc["files"] if rel.endswith("/.metadata")}):
         out.metadata[part] = folder.metadata(part)
-    elsewhere = re.compile(r"^(random_states_|hookloop-rank|scheduler|custom_checkpoint_|sampler|dl_state_dict)")
     for rel in sorted(doc["files"]):
-        if (("/" not in rel and (rel in (TENSORS_FILE, accel.SCALER_FILE) or elsewhere.match(rel)))
+        if (("/" not in rel and (rel == TENSORS_FILE or accel.SMALL_FILE.match(rel) or rel.startswith("hookloop-rank")))
                 or (owner(rel) or 0) != rank or rel.endswith("/.metadata")):
             continue  # (read by the rest of staging, each rank its own; or another rank's)
         part = rel.rsplit("/", 1)[0] if "/" in rel else None

@@ -34,7 +34,7 @@ from pathlib import Path
 from . import accelerate as accel
 from .collective import every_rank
 from .errors import CheckpointError
-from .layout import LATEST, STATE_FILE, TMP_PREFIX, fsync_dir, list_checkpoints
+from .store import LATEST, STATE_FILE, TMP_PREFIX, fsync_dir, list_checkpoints
 
 LOCK_FILE = "hookloop.lock"
 FORMAT = "hookloop-lock"

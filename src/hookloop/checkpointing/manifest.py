@@ -1,9 +1,7 @@
-"""The manifest, ``hookloop.json``: written last into a checkpoint, read once
-when it is loaded and verified (its own CRC-32, format, version, the size of
-every file it lists), then used to open each file (:func:`verified`: the size
-now, the CRC-32 as it is read). It names the checksum algorithm
-(``checksum``; absent: CRC-32, the values of hookloop 0.2's checkpoints).
-"""
+"""The manifest, ``hookloop.json``: written last into a checkpoint
+(:func:`write`), read once when it is loaded (:func:`read_manifest`: its own
+CRC-32, format, version and the size of every file it lists; :func:`peek`:
+the JSON alone), then used to open each file (:func:`verified`)."""
 
 from __future__ import annotations
 
@@ -13,38 +11,30 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from . import safe_read
+from . import store
 from .errors import CheckpointError
-from .layout import FORMAT, STATE_FILE, TMP_PREFIX, VERSION
+from .store import FORMAT, STATE_FILE, TMP_PREFIX, VERSION
 
 #: the key of the manifest's own checksum (over the rest of it), and the files' algorithm
 SELF_CRC, CHECKSUM = "manifest_crc32", "crc32"
-_REQUIRED = ("loop", "networks", "accelerate", "plugins", "files", "num_processes")
+_REQUIRED = ("loop", "networks", "accelerate", "plugins", "files", "num_processes", "crc32", "run_id", SELF_CRC)
 
 
-def peek(path: Path) -> dict | None:
-    """``hookloop.json`` as JSON, unchecked; None if it cannot be read."""
-    try:
-        return peek_checked(path)
-    except CheckpointError:
-        return None
-
-
-def peek_checked(path: Path) -> dict:
+def peek(path) -> dict:
     """``hookloop.json`` of ``path`` as a JSON object (read bounded and
     confined), its content unchecked, or a :class:`CheckpointError` naming it."""
     path = Path(path)
-    safe_read.check_folder(path)
+    store.check_folder(path)
     file = path / STATE_FILE
     try:
-        doc = safe_read.loads_json(safe_read.read_checked(file, path, limit=safe_read.MANIFEST_LIMIT,
-                                                          what=f"a checkpoint's {STATE_FILE}",
-                                                          why="the most hookloop reads of a manifest"), file)
+        data = store.read_checked(file, path, limit=store.MANIFEST_LIMIT, what=f"a checkpoint's {STATE_FILE}",
+                                  why="the most hookloop reads of a manifest")
+        doc = store.loads_json(data, file)
     except FileNotFoundError:
         raise CheckpointError(f"{str(path)!r} has no {STATE_FILE}") from None
     except NotADirectoryError:
         raise CheckpointError(f"{str(path)!r} is not a directory") from None
-    except safe_read.RefusedFile as exc:
+    except store.RefusedFile as exc:
         if exc.file != file or "JSON" not in exc.problem:
             raise
         raise CheckpointError(f"checkpoint {str(path)!r}: {STATE_FILE} {exc.problem}") from None
@@ -57,11 +47,11 @@ def read_manifest(path) -> dict:
     """``hookloop.json`` of a complete checkpoint, read once and verified:
     format, version, required keys, its own checksum, and every file it lists
     there with the size it was written with. A :class:`CheckpointError` for a
-    missing, foreign, truncated or unfinished directory."""
+    missing, foreign, truncated, unfinished or too old directory."""
     path = Path(path)
     if not path.exists() and not path.is_symlink():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
-    safe_read.check_folder(path)
+    store.check_folder(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {str(path)!r} is a file, not a checkpoint directory")
     if not os.path.lexists(path / STATE_FILE):  # (a FIFO or a link out is refused below, by name)
@@ -73,36 +63,35 @@ def read_manifest(path) -> dict:
                     "accelerator.load_state" if written_by_save_state(path)
                else f"it contains: {', '.join(listed[:6]) + (' ...' if len(listed) > 6 else '') or 'nothing'}")
         raise CheckpointError(f"{str(path)!r} is not a hookloop checkpoint: it has no {STATE_FILE} ({why})")
-    try:
-        doc = peek_checked(path)
-    except CheckpointError as exc:
-        if f"has no {STATE_FILE}" not in str(exc):
-            raise
-        raise CheckpointError(f"checkpoint {str(path)!r}: {STATE_FILE} is missing") from None
-    where = f"checkpoint {str(path)!r}"
+    doc, where = peek(path), f"checkpoint {str(path)!r}"
     if doc.get("format") != FORMAT:
         raise CheckpointError(f"{str(path)!r} is not a hookloop checkpoint: {STATE_FILE} has no "
                               f"'format': {FORMAT!r}")
-    if not isinstance(doc.get("version"), int) or doc["version"] > VERSION:
-        raise CheckpointError(f"{where} has format version {doc.get('version')!r}; this hookloop reads version "
-                              f"{VERSION} and older: upgrade hookloop")
-    for key in _REQUIRED + (("crc32", "run_id", SELF_CRC) if doc["version"] >= 2 else ()):
+    version = doc.get("version")
+    if not isinstance(version, int) or version > VERSION:
+        raise CheckpointError(f"{where} has format version {version!r}; this hookloop reads version "
+                              f"{VERSION}: upgrade hookloop")
+    if version < VERSION:
+        written = (doc.get("versions") or {}).get("hookloop") or "0.1"
+        raise CheckpointError(f"{where} was written by hookloop {written} (format version {version}), which "
+                              "this hookloop does not read: checkpoints of hookloop 0.3 and later load. Its "
+                              "weights are safetensors files (model.safetensors ...) that "
+                              "safetensors.torch.load_file reads")
+    for key in _REQUIRED:
         if key not in doc:
             raise CheckpointError(f"{where}: {STATE_FILE} lacks {key!r}: the checkpoint is corrupt")
-    if doc["version"] >= 2 and doc[SELF_CRC] != manifest_crc(doc):
+    if doc[SELF_CRC] != manifest_crc(doc):
         raise CheckpointError(f"{where}: {STATE_FILE} does not match its own checksum ({SELF_CRC}): it "
                               "changed after it was written (bit rot, or an edit)")
     if doc.get("checksum", CHECKSUM) != CHECKSUM:
         raise CheckpointError(f"{where}: its files are checksummed with {str(doc['checksum'])[:50]!r}; this "
                               f"hookloop verifies {CHECKSUM!r} only: upgrade hookloop")
     for key in ("files", "crc32"):  # entries inside the checkpoint, whole numbers
-        entries: Any = doc.get(key)
-        if entries is None and key == "crc32":
-            continue
+        entries: Any = doc[key]
         if not isinstance(entries, dict):
             raise CheckpointError(f"{where}: {STATE_FILE}: {key!r} is not a JSON object: the checkpoint is corrupt")
         for rel, value in entries.items():
-            if (problem := safe_read.relative_entry(rel)) is not None:
+            if (problem := store.relative_entry(rel)) is not None:
                 raise CheckpointError(f"{where}: {STATE_FILE} lists {rel[:200]!r} in {key!r}, which is not a "
                                       f"file of the checkpoint ({problem}): refusing to read it")
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -110,10 +99,10 @@ def read_manifest(path) -> dict:
                                       "whole number: the checkpoint is corrupt")
     for rel, size in doc["files"].items():
         try:
-            actual = safe_read.file_size(path / rel, path, f"{rel} of a checkpoint")
+            actual = store.file_size(path / rel, path, f"{rel} of a checkpoint")
         except FileNotFoundError:
             raise CheckpointError(f"{where}: {rel} is missing: the checkpoint is incomplete") from None
-        except safe_read.RefusedFile as exc:
+        except store.RefusedFile as exc:
             raise CheckpointError(f"{where}: {rel} {exc.problem}") from None
         if actual != size:
             raise CheckpointError(f"{where}: {rel} is {actual} bytes but {size} were written: the checkpoint "
@@ -136,35 +125,34 @@ def write(folder: Path, doc: dict) -> None:
         os.fsync(f.fileno())
 
 
-def checksum_error(where: str, what: str, rel: str, now: int, crc: int) -> CheckpointError:
-    return CheckpointError(f"{where}: cannot read {what} from {rel}: it does not match its checksum (CRC-32 "
-                           f"{now:08x}, {crc:08x} when written): the file changed after it was saved (bit rot, "
-                           "a bad copy, or an edit)")
-
-
-def verified(path: Path, rel: str, doc: dict, where: str, what: str):
+def verified(path: Path, rel: str, doc: dict, where: str, what: str) -> store.Opened:
     """``path / rel`` opened once (a regular file inside the checkpoint, no
-    bigger than the manifest records) and its size checked, with the CRC-32
-    it must have (None: a version 1 checkpoint's) for the caller to check on
-    what it reads; a :class:`CheckpointError` naming ``what`` it holds otherwise."""
-    size, crc = doc["files"].get(rel), (doc.get("crc32") or {}).get(rel)
+    bigger than the manifest records), its size and then its CRC-32 (over a
+    memory map of the same descriptor) checked, before anything parses it;
+    a :class:`CheckpointError` naming ``what`` it holds otherwise."""
+    size, crc = doc["files"].get(rel), doc["crc32"].get(rel)
     if size is None:
         problem = "the manifest does not list it"
-    elif (why := safe_read.relative_entry(rel)) is not None:
+    elif (why := store.relative_entry(rel)) is not None:
         problem = f"it is not a file of the checkpoint ({why})"
-    elif crc is None and doc["version"] >= 2:
+    elif crc is None:
         problem = "the manifest has no checksum for it"
     else:
         try:
-            opened = safe_read.open_checked(path / rel, path, limit=size, what=what,
-                                            why="the size the manifest records")
-        except safe_read.RefusedFile as exc:
+            opened = store.open_checked(path / rel, path, limit=size, what=what,
+                                        why="the size the manifest records")
+        except store.RefusedFile as exc:
             problem = exc.problem
         except OSError as exc:
             problem = f"{type(exc).__name__}: {exc}"
         else:
-            if opened.size == size:
-                return opened, crc
-            opened.close()
-            problem = f"it is {opened.size} bytes but {size} were written: truncated or corrupt"
+            if opened.size != size:
+                opened.close()
+                problem = f"it is {opened.size} bytes but {size} were written: truncated or corrupt"
+            elif (now := opened.crc32()) != crc:
+                opened.close()
+                problem = (f"it does not match its checksum (CRC-32 {now:08x}, {crc:08x} when written): the file "
+                           "changed after it was saved (bit rot, a bad copy, or an edit)")
+            else:
+                return opened
     raise CheckpointError(f"{where}: cannot read {what} from {rel}: {problem}")

@@ -1,13 +1,20 @@
-"""Writing a checkpoint: refuse what must not be saved, let every rank write
-its files (its format's, :mod:`.formats`) into a temporary directory, add
-hookloop's files and the manifest, fsync, rename into place, point
-``latest`` at it, rotate; the heavy files and everything after them in the
-background when the save is asynchronous (:mod:`.writer`). A save killed at
-any point leaves the previous checkpoint intact and ``latest`` naming a
-complete one. Steps a test replaces are looked up at each call
-(``codec.write_rank_file``, ``layout.write_latest``, ``writer.write_file``,
-``finite.refuse_nonfinite``, ``writer.publish``; in an asynchronous save's
-writer process, what ``HOOKLOOP_WRITER_SETUP`` replaces).
+"""Saving, and the runs a root holds.
+
+:func:`save`: refuse what must not be saved, let every rank write its files
+into a temporary directory (the local part, then the collective part of a
+sharded format: the processes agree after each, never around a collective),
+then the main process writes the manifest, renames the directory into place
+(the commit point), points ``latest`` at it and rotates; all of that after
+the safe point in the writer process when the save is asynchronous
+(:mod:`.writer`). A save killed at any point leaves the previous checkpoint
+intact and ``latest`` naming a complete one; what fails after the rename is
+a warning (:class:`~.writer.Saved`), the checkpoint published.
+
+Runs: which checkpoints of a root are the loop's run (it may replace and
+rotate only those), which are best by the metric their manifests record, the
+run folders, what the I/O layer asks of a checkpoint plugin
+(:class:`CheckpointPolicy`) and a root's set-up when a fit starts
+(:func:`open_root`). A :class:`Scan` reads each manifest of a root once.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -24,21 +32,178 @@ import torch
 
 from .._version import __version__
 from ..schedules import fit_record
+from ..state import RunIdentity
 from . import accelerate as accel
-from . import codec, finite, formats, layout, manifest, writer
+from . import codec, finite, formats, lock, manifest, store, writer
+from .runs import Scan, describe_run, owns
 from .collective import every_rank
-from .compat import run_settings
 from .errors import CheckpointError, NonFiniteCheckpoint
-from .layout import FORMAT, RANK_FILE, TENSORS_FILE, TMP_PREFIX, VERSION
-from .runs import describe_run, owns
-from .writer import poll, wait, write_error  # noqa: F401 - importable from here
+from .stage import run_settings
+from .store import FORMAT, LATEST, RANK_FILE, TENSORS_FILE, TMP_PREFIX, VERSION, list_checkpoints, sort_key
+from .writer import poll, wait  # noqa: F401 - importable from here
+
+
+class CheckpointPolicy:
+    """Decides when, where, how many and which is best (the ``Checkpoint``
+    plugin subclasses it); the checkpoint package finds its instances by type
+    and asks them only what this class declares."""
+
+    #: names of ``custom_checkpoint_<i>.pkl`` files that loading may unpickle
+    trust_pickles: tuple = ()
+    #: the metric the best checkpoints are ranked by (None: none)
+    monitor: str | None = None
+    #: the signals on which the run saves and stops (the ``preemption`` plugin acts on
+    #: them), and every how many updates the processes agree on one
+    signals: tuple = ()
+    signal_check_every: int = 10
+    #: the last checkpoint this policy published (None: none yet)
+    last_saved: Path | None = None
+
+    def directory(self, loop) -> Path:
+        """The checkpoint root for ``loop``: where saves go."""
+        raise NotImplementedError(f"{type(self).__name__}.directory(loop)")
+
+    def roots(self, loop) -> list[Path]:
+        """Where ``resume_from="latest"`` looks, in order; default: :meth:`directory`."""
+        return [self.directory(loop)]
+
+    def best_checkpoint(self, loop, mine: bool = True):
+        """``(value, path)`` of the best checkpoint by :attr:`monitor`, or None."""
+        return None
+
+    def request(self, reason: str = "requested") -> None:
+        """Save at the next safe point; ``"preempted"``: synchronously."""
+
+
+def checkpoint_plugins(loop) -> list:
+    """The :class:`CheckpointPolicy` plugins of ``loop``, in call order."""
+    found = [p for _, p in loop.plugins.pm.list_name_plugin() if isinstance(p, CheckpointPolicy)]
+    return found[::-1]  # pluggy calls the last registered first; user plugins are registered reversed
+
+
+def checkpoint_roots(loop) -> list[Path]:
+    """Where ``resume_from="latest"`` looks: the first checkpoint plugin's
+    roots, else the default run folders."""
+    plugins = checkpoint_plugins(loop)
+    return plugins[0].roots(loop) if plugins else run_roots(store.default_directory(loop.accelerator))
+
+
+def checkpoint_root(loop) -> Path:
+    return checkpoint_roots(loop)[0]
+
+
+def trusted_pickles(loop) -> set:
+    return {name for plugin in checkpoint_plugins(loop) for name in plugin.trust_pickles}
+
+
+def best_checkpoint_path(loop) -> Path:
+    """``load_checkpoint("best")``: the best checkpoint by the ``monitor`` of
+    the loop's first Checkpoint plugin that has one, whichever run wrote it."""
+    plugin = next((p for p in checkpoint_plugins(loop) if p.monitor), None)
+    if plugin is None:
+        raise CheckpointError("load_checkpoint('best') needs a Checkpoint(monitor=...) plugin: it ranks the "
+                              "checkpoints by the metric they were saved with")
+    found = plugin.best_checkpoint(loop, mine=False)
+    if found is None:
+        raise CheckpointError(f"load_checkpoint('best'): no checkpoint in {plugin.directory(loop)} records "
+                              f"{plugin.monitor!r} yet")
+    return found[1]
+
+
+def run_roots(base) -> list[Path]:
+    """Where ``resume_from="latest"`` looks under ``base``: every
+    ``version_<N>`` holding a checkpoint or a ``latest``, newest first, then
+    ``base`` itself; ``[base / "version_0"]`` if none."""
+    base = Path(base)
+    found = [f for f in [*reversed(store.run_folders(base)), base] if (f / LATEST).exists() or list_checkpoints(f)]
+    return found or [base / "version_0"]
+
+
+def take_run_folder(base, owner, run_id: str):
+    """``(folder, lock)`` of a fresh run under ``base``: the newest
+    ``version_<N>`` if all it holds is what a dead run left (a stale lock,
+    unfinished saves: taken over, as the same command continues), else a new
+    one, created atomically."""
+    folders = store.run_folders(base)
+    if folders and not list_checkpoints(folders[-1]) and not (folders[-1] / LATEST).exists():
+        info = lock.read_lock(folders[-1])
+        if info is not None and not info.live:  # (a folder just claimed has no lock yet: not taken)
+            try:
+                return folders[-1], lock.acquire(folders[-1], run_id, owner=owner)
+            except CheckpointError:
+                pass  # taken over by another process meanwhile: a new folder
+    folder = store.claim_run_folder(base)
+    return folder, lock.acquire(folder, run_id, owner=owner)
+
+
+# -- which checkpoints are this run's --------------------------------------------------
+
+
+def adopt_run(loop, path: Path, doc: dict) -> None:
+    """The loop continues the run of checkpoint ``path`` (manifest ``doc``)."""
+    loop.state.run = RunIdentity(doc["run_id"], resumed_root=os.path.realpath(path.parent))
+
+
+def open_root(loop, root: Path, owner, resumed=None, keep_last: int | None = None, best=None):
+    """Main process, when a fit starts in ``root``: check it is writable, hold
+    it (a live run's is refused), remove what dead saves left, refuse (or warn
+    about) checkpoints not this run's and, for a resumed run, rotate what a
+    run killed after its last save did not. ``resumed``: ``(path, manifest)``
+    of the checkpoint the run resumed from, not read again; it and every
+    checkpoint after it are kept, with the ``best`` (``(key, mode, k)``) ones.
+    Returns ``(lock, scan)``."""
+    store.check_writable(root)
+    held = lock.acquire(root, loop.state.run.id, owner=owner)
+    try:
+        store.clean(root)  # with the lock: every other temporary is a dead run's
+        scan = Scan(root, known=dict([resumed]) if resumed else {})
+        if foreign := scan.foreign(loop.state.run):
+            _refuse_foreign(loop, root, foreign)
+        if resumed is not None and Path(resumed[0]).parent.resolve() == Path(root).resolve():
+            path = Path(resumed[0])
+            mine = sort_key(path) if store.NAME_PATTERN.match(path.name) else None
+            newer = [p.name for p, _ in scan.found if mine is not None and sort_key(p) > mine]
+            if newer:
+                warnings.warn(f"Checkpoint: resumed from {path.name}, but {root} also holds newer checkpoints "
+                              f"({', '.join(newer)}) of the run that went on from there: this run's checkpoints "
+                              "will replace them, and rotation may delete them", RuntimeWarning, stacklevel=3)
+            if keep_last:
+                best_ones = {p.name for _, p in scan.best(loop.state.run, *best)} if best else set()
+                scan.rotate(loop.state.run, keep_last, {*newer, *best_ones}, latest=path.name)
+        return held, scan
+    except BaseException:
+        held.release(owner=owner)
+        raise
+
+
+def _refuse_foreign(loop, root, foreign) -> None:
+    """Checkpoints in ``root`` that are not this run's: a run from scratch,
+    or resumed from another directory, would replace and rotate them away:
+    refused. A run resumed from this directory leaves them alone, with a warning."""
+    names, runs = ", ".join(p.name for p in foreign[-3:]), ", ".join(sorted({describe_run(p) for p in foreign}))
+    run = loop.state.run
+    if run.resumed_root is None:
+        raise CheckpointError(f"{str(root)!r} already holds checkpoints of a run ({names}) and this run starts "
+                              "from scratch: its checkpoints would replace them. Continue that run with "
+                              "resume_from='latest', or give Checkpoint(dir=...) another directory.")
+    if run.resumed_root != os.path.realpath(root):
+        raise CheckpointError(
+            f"{str(root)!r} holds checkpoints that are not this run's ({names}; {runs}), and this run resumed "
+            f"from {str(loop.resumed_from)!r}, in another directory: its checkpoints would be mixed with them, "
+            "replace them and rotate them away. Resume from that directory's own checkpoints "
+            "(resume_from='latest' with this dir), or give Checkpoint(dir=...) an empty directory.")
+    warnings.warn(f"Checkpoint: {root} also holds {len(foreign)} checkpoint(s) that are not this run's ({names}; "
+                  f"{runs}): they are left alone, never replaced or rotated away", RuntimeWarning, stacklevel=4)
+
+
+# -- a save --------------------------------------------------------------------------------
 
 
 def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None = None,
          update_latest: bool = True, keep_last: int | None = None, monitor: dict | None = None,
-         keep=(), asynchronous: bool = False, on_published=None) -> Path:
+         best=None, asynchronous: bool = False, on_published=None) -> Path:
     """Write a checkpoint of ``loop`` into ``root`` atomically (every process
-    calls it: each writes its random states) and return its directory.
+    calls it: each writes its random states) and return where it lands.
 
     :param epoch_end: the loop is in ``on_epoch_end``: record the position as
         the next epoch's start.
@@ -46,16 +211,16 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
     :param update_latest: point ``root/latest`` at it (False: an emergency
         checkpoint, which may be mid-step).
     :param keep_last: afterwards, delete all but this run's newest ``keep_last``
-        (never what ``latest`` names, the newest finite one, another run's).
+        (never what ``latest`` names, the newest finite one, another run's,
+        the ``best`` ones).
     :param monitor: ``{"key", "value", "mode"}`` of the metric it was evaluated
-        at, recorded in the manifest (best-k ranks by it).
-    :param keep: names rotation never deletes (the best ``save_top_k``).
+        at, recorded in the manifest; ``best``: ``(key, mode, k)``, the best
+        k by it kept by rotation and named in the result.
     :param asynchronous: copy the state to host memory and return; the writer
-        publishes it in the background (``latest`` names the previous one
-        until then). :func:`wait` (every process) waits for it and raises a
-        :class:`CheckpointError` naming it if it failed; the next save waits
-        for it first.
-    :param on_published: called with the published directory, on the
+        process publishes it in the background (:func:`~.writer.wait` waits
+        for it and raises a :class:`CheckpointError` naming it if it failed;
+        the next save waits for it first).
+    :param on_published: called with the :class:`~.writer.Saved`, on the
         training thread, when the save is settled.
 
     Refused on every process, with nothing published: non-finite weights or
@@ -64,12 +229,12 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
     as ``no space left on <dir>``.
     """
     acc = loop.accelerator
-    wait(loop)  # at most one save in flight: this one waits for the previous one
+    writer.wait(loop)  # at most one save in flight: this one waits for the previous one
     root, position = Path(root), loop.state.state_dict()
     if epoch_end:
         position.update(epoch=position["epoch"] + 1, step_in_epoch=0)
-    name = name or layout.checkpoint_name(position["global_step"], epoch_end)
-    final, tmp = root / name, root / f"{TMP_PREFIX}{name}-{tmp_tag(loop)}"  # every rank writes into the main's
+    final = root / (name or store.checkpoint_name(position["global_step"], epoch_end))
+    tmp = root / f"{TMP_PREFIX}{final.name}-{tmp_tag(loop)}"  # every rank writes into the main's
     fmt, networks, sharding = formats.of_accelerator(acc), formats.describe_networks(loop), formats.describe(loop)
     background = asynchronous and sharding is None and fmt.writes_itself
     states = {n: p.state_dict() for n, p in codec.stateful_plugins(loop)}  # every rank: may be collective
@@ -77,10 +242,10 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
 
     def failed(what, refusals=False):  # an error as a write error's message (a full disk named so)
         return lambda exc: (exc if (refusals and isinstance(exc, CheckpointError))
-                            or isinstance(exc, NonFiniteCheckpoint) else write_error(exc, root, what))
+                            or isinstance(exc, NonFiniteCheckpoint) else writer.write_error(exc, root, what))
 
     # every rank checks its own memory; an asynchronous save's writer checks the copy
-    refusal = None if background else finite.refuse_nonfinite(loop, root, name, position["global_step"])
+    refusal = None if background else finite.refuse_nonfinite(loop, root, final.name, position["global_step"])
     plugins: dict[str, Any] = {}
     tensors: dict[str, Any] = {}
     with every_rank(acc, catch=(CheckpointError, OSError), describe=failed(f"cannot create {tmp}", True)):
@@ -96,55 +261,67 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-    layout.mark_live(tmp)  # (layout.clean leaves it alone until the save is over)
-    handed_over = False
+    # the landing: the next generation of the name when latest names a checkpoint of it (never renamed over)
+    landing = store.next_generation(final) if (update_latest and final.exists()
+                                               and store.read_latest_quietly(root) == final.name) else final
+    store.mark_live(tmp)  # (store.clean leaves it alone until the save is over)
+    handed_over, known, own, snapshot = False, {}, None, None
     try:
-        known, own = {}, None
-        with every_rank(acc, catch=Exception, describe=failed(f"process {acc.process_index} could not write "
-                                                              f"into {tmp}")):
+        # each rank's own files, then the agreement: no rank is inside a collective yet
+        with every_rank(acc, catch=Exception,
+                        describe=failed(f"process {acc.process_index} could not write into {tmp}")):
             # as save_state does: a rank that does not see the main's folder writes into its
             # own (check_rank_files then names the ranks whose files are not shared)
             tmp.mkdir(parents=True, exist_ok=True)
-            heavy = fmt.save(loop, tmp)
-            if background:  # (the writer process writes the plugins' tensors too)
-                snapshot = writer.host_copy(acc, heavy + ([[TENSORS_FILE, "safetensors", tensors,
-                                                            {"format": FORMAT}]] if main else []))
-            else:
-                known = writer.write_files(tmp, heavy)  # (checksummed as they are written)
-            if sharding is not None:
-                own = formats.save_sharded(loop, tmp, sharding)
+            if fmt.writes_itself:
+                heavy = accel.heavy_states(acc, tmp)
+                accel.save_small_files(acc, tmp)
+                if background:  # (the writer process writes the plugins' tensors too)
+                    snapshot = writer.host_copy(acc, heavy + ([[TENSORS_FILE, "safetensors", tensors,
+                                                                {"format": FORMAT}]] if main else []))
+                else:
+                    known = writer.write_files(tmp, heavy)  # (checksummed as they are written)
             codec.write_rank_file(tmp / RANK_FILE.format(rank=acc.process_index), loop)
+        # the collectives (Accelerate's sharded save_state, DCP), then the agreement: a rank
+        # failing inside DCP fails on every rank (DCP gathers the errors itself)
+        if not fmt.writes_itself or sharding is not None:
+            with every_rank(acc, catch=(Exception, _collective_failure()),
+                            describe=failed(f"process {acc.process_index} could not write its shards into {tmp}")):
+                if not fmt.writes_itself:
+                    accel.save_state(acc, tmp)
+                if sharding is not None:
+                    own = formats.save_sharded(loop, tmp, sharding)
         shards = formats.gather(acc, own or {}, sharding) if sharding is not None else None
         doc = _manifest(loop, final, position, networks, plugins, reason, monitor, shards)
-
-        job = writer.Job(tmp, final, root, doc, tensors, loop.state.run, known={
-            **known, **(shards or {}).get("known", {})},  # (shards: checksummed by the rank that wrote them)
-            update_latest=update_latest, keep_last=keep_last, keep=set(keep))
+        job = writer.Job(tmp, landing, final if landing != final else None, root, doc, tensors, loop.state.run,
+                         known={**known, **(shards or {}).get("known", {})},  # (shards: checksummed by their ranks)
+                         update_latest=update_latest, keep_last=keep_last, best=best)
         finishing = failed(f"cannot finish checkpoint {final}")
+        saved = None
         with every_rank(acc, catch=Exception,
                         describe=lambda exc: exc if isinstance(exc, MissingRankFiles) else finishing(exc)):
             if main:
                 check_rank_files(tmp, final, acc.num_processes)  # before anything is published
                 if not background:
-                    final = writer.finish(job)
+                    saved = writer.finish(job)
         if not background:
-            if on_published is not None:
-                on_published(final)
-            return final
+            if saved is None:  # (another process: the main published it)
+                saved = writer.Saved(landing)
+            writer.settled(saved, on_published)
+            return saved.path
 
         def explain(kind, found):  # the writer's failure, raised on the training thread
             if kind == "nonfinite":  # (the refusal a synchronous save makes)
-                return _nonfinite(loop, root, name, position["global_step"], networks, found)
+                return _nonfinite(loop, root, final.name, position["global_step"], networks, found)
             return CheckpointError(f"the asynchronous save of checkpoint {str(final)!r} failed: {found}. Nothing "
                                    "was published; 'latest' still names the previous checkpoint")
 
-        job.files, job.floating = snapshot.files, snapshot.floating
-        handed_over = True  # (the writer process: main; the others are done)
-        writer.start(loop, writer.Pending(final, tmp, snapshot if main else None, done=on_published,
-                                          explain=explain, result=None if main else final),
+        if snapshot is not None:
+            job.files, job.floating = snapshot.files, snapshot.floating
+        handed_over = True
+        writer.start(loop, writer.Pending(landing, tmp, snapshot, done=on_published, explain=explain),
                      job if main else None)
-        return layout.next_generation(final) if (final.exists() and update_latest
-                                                 and layout.read_latest_quietly(root) == final.name) else final
+        return landing
     except CheckpointError:
         # a failed save leaves nothing behind; the previous checkpoint stays latest. Another
         # rank removes its folder only where it is not the main's (no rank 0 file in it:
@@ -154,14 +331,22 @@ def save(loop, root, *, reason: str, epoch_end: bool = False, name: str | None =
         raise
     finally:
         if not handed_over:
-            layout.mark_live(tmp, False)
+            store.mark_live(tmp, False)
+
+
+def _collective_failure() -> type:
+    """What ``torch.distributed.checkpoint`` raises on every rank when one
+    failed (a ``BaseException``, not an ``Exception``)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
 
 
 def prepare_asynchronous(loop) -> None:
     """Before the first asynchronous save of ``loop``: the host buffers its
-    copy will take, allocated in the background (:func:`writer.prepare_buffers`;
-    once per accelerator), when its saves are copied (the plain format, this
-    process writing the models and optimizers)."""
+    copy will take, allocated in the background (once per accelerator), when
+    its saves are copied (the plain format, this process writing the models
+    and optimizers)."""
     acc = loop.accelerator
     if not (acc.is_main_process and formats.of_accelerator(acc).writes_itself and formats.describe(loop) is None):
         return

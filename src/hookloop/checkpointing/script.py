@@ -1,7 +1,7 @@
 """Continuing a hand-written Accelerate script's run: a folder written by a
 plain ``accelerator.save_state(dir)`` (no ``hookloop.json``) restored into a
 loop as ``accelerator.load_state(dir)`` restores it into the script's
-objects (read by :func:`~.reading.stage_script`: bounded, confined,
+objects (read by :func:`~.stage.stage_script`: bounded, confined,
 ``weights_only=True`` or safetensors, the tensor names and shapes compared
 with the models), and the position the script would continue from.
 
@@ -25,12 +25,13 @@ from ..batches import length_of, updates_per_epoch
 from ..rng import Resume, capture_rng
 from ..state import POSITION, RunIdentity
 from . import accelerate as accel
+from . import formats
 from .collective import every_rank
 from .errors import CheckpointError
-from .layout import STATE_FILE
-from .loading import _check_optimizers, _custom_states, _restore_early, commit
-from .reading import Folder, stage_script
-from .runs import trusted_pickles
+from .resume import commit, restore_early
+from .saving import trusted_pickles
+from .stage import Folder, custom_states, stage_script
+from .store import STATE_FILE
 
 #: the names the example scripts give their folders
 NAMED = re.compile(r"^(epoch|step)_(\d+)$")
@@ -161,9 +162,8 @@ def load_script(loop, path, *, position=None, strict: bool = True, trust_pickles
     with every_rank(acc):  # every process fails together, none waits
         pos, notes = position_of(loop, folder, position, where)
         staged, more = stage_script(loop, Folder(folder), strict)
-        custom = _custom_states(staged, trusted, where)
-        _check_optimizers(loop, staged, where, groups=False)
-    _restore_early(loop, staged, where)
+        custom = custom_states(staged, trusted, where)
+    restore_early(loop, staged, formats.describe_networks(loop), where)
     commit(loop, staged, custom, where)
     state = loop.state
     state.load_state_dict(pos)

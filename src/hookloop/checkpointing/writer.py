@@ -50,11 +50,11 @@ import torch
 
 from ..preemption import DEFAULT_SIGNALS
 from ..state import RunIdentity
-from . import finite, layout, manifest, safe_read
+from . import finite, manifest, store
+from .runs import Scan
 from .collective import every_rank
 from .errors import CheckpointError
-from .layout import FORMAT, TENSORS_FILE, TRASH_PREFIX
-from .runs import Scan, remove
+from .store import FORMAT, LATEST, TENSORS_FILE, TRASH_PREFIX
 
 #: bytes checksummed and written at a time (fits the caches with room to spare)
 CHUNK = 4 << 20
@@ -79,7 +79,7 @@ class ChecksumFile:
         view = memoryview(data).cast("B")
         for start in range(0, len(view), CHUNK):
             chunk = view[start:start + CHUNK]
-            self.crc = safe_read.crc32(chunk, self.crc)
+            self.crc = store.crc32(chunk, self.crc)
             while len(chunk):
                 chunk = chunk[os.write(self.fd, chunk):]
         self.size += len(view)
@@ -119,13 +119,7 @@ def write_file(folder: Path, rel: str, kind: str, payload, metadata=None) -> tup
         from safetensors.torch import save_file
 
         save_file(payload, str(path), metadata=metadata)
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            os.fsync(fd)
-            size = os.fstat(fd).st_size
-            return size, safe_read.crc32_fd(fd, size)
-        finally:
-            os.close(fd)
+        return store.synced_sum(path)
     with ChecksumFile(path) as out:
         if kind == "torch":
             torch.save(payload, out)
@@ -177,7 +171,8 @@ class Job:
     main process (synchronously, or in the writer process)."""
 
     tmp: Path
-    final: Path
+    landing: Path  # where it is published: its name, or (latest names one of it) the next generation
+    replaced: Path | None  # the checkpoint of its name that latest names: removed once latest moves on
     root: Path
     doc: dict  # the manifest, but the files' sizes and checksums
     tensors: dict  # the tensors of the plugin states
@@ -186,14 +181,27 @@ class Job:
     known: dict = field(default_factory=dict)  # rel -> (size, crc32) of the files written
     update_latest: bool = True
     keep_last: int | None = None
-    keep: set = field(default_factory=set)
+    best: tuple | None = None  # (key, mode, k): the best k kept by rotation, the best named in the result
     floating: list = field(default_factory=list)  # a host copy's floating tensors: finiteness first
 
 
-def finish(job: Job) -> Path:
+@dataclass
+class Saved:
+    """A published checkpoint: where it is, the best checkpoint of the run
+    after it (``(value, path)``, when a ``best`` was asked for; the scan of
+    the root that rotation used), and what failed after the rename, which
+    published it (warnings, given on the training thread)."""
+
+    path: Path
+    best: tuple | None = None
+    problems: list = field(default_factory=list)
+
+
+def finish(job: Job) -> Saved:
     """Main process: the files not written yet, hookloop's tensors file, every
-    file's size and checksum, the manifest, fsync, the rename into place,
-    ``latest``, rotation. Returns where the checkpoint landed."""
+    file's size and checksum, the manifest, fsync, the rename into place
+    (the commit point), ``latest``, rotation (one scan of the root, for the
+    best ones and the rotation)."""
     tmp, doc = job.tmp, job.doc
     files = {**job.known, **write_files(tmp, job.files)}
     if TENSORS_FILE not in files:  # (an asynchronous save's is among its host copy's files)
@@ -201,46 +209,57 @@ def finish(job: Job) -> Path:
     for file in sorted(tmp.rglob("*")):
         rel = file.relative_to(tmp).as_posix()
         if file.is_file() and rel not in files:  # Accelerate's small files, each rank's own
-            with open(file, "rb") as f:  # (read back from the page cache)
-                os.fsync(f.fileno())
-                size = os.fstat(f.fileno()).st_size
-                files[rel] = (size, safe_read.crc32_fd(f.fileno(), size))
+            files[rel] = store.synced_sum(file)
     for rel, (size, crc) in sorted(files.items()):
         doc["files"][rel], doc["crc32"][rel] = size, crc
     manifest.write(tmp, doc)
-    layout.fsync_dir(tmp)
-    published, replaced = publish(tmp, job.final, keep_existing=job.update_latest)
+    store.fsync_dir(tmp)
+    publish(tmp, job.landing)
+    saved, root = Saved(job.landing), job.root
     if job.update_latest:
-        layout.write_latest(job.root, published.name)
-    if replaced is not None:  # an older save of this position, now that latest moved on
-        remove(replaced)
-    if job.keep_last:
-        Scan(job.root).rotate(job.run, job.keep_last, job.keep, latest=published.name if job.update_latest
-                              else layout.read_latest_quietly(job.root))
-    return published
+        try:
+            store.write_latest(root, job.landing.name)
+        except OSError as exc:  # (the folder is published: the newest checkpoint, once latest is gone)
+            saved.problems.append(f"{root / LATEST} could not name {job.landing.name} ({type(exc).__name__}: "
+                                  f"{exc}); it was removed, so resume_from='latest' finds the newest checkpoint")
+            with contextlib.suppress(OSError):
+                os.unlink(root / LATEST)
+    try:
+        if job.replaced is not None and job.update_latest:  # an older save of this position, now that latest moved on
+            store.remove(job.replaced)
+        if job.keep_last or job.best:
+            scan = Scan(root)
+            best = scan.best(job.run, *job.best) if job.best else []
+            saved.best = best[0] if best else None
+            if job.keep_last:
+                latest = job.landing.name if job.update_latest else store.read_latest_quietly(root)
+                scan.rotate(job.run, job.keep_last, {p.name for _, p in best}, latest=latest)
+    except Exception as exc:  # noqa: BLE001 - after the commit point: said, not raised
+        saved.problems.append(f"removing the older checkpoints of {root} failed ({type(exc).__name__}: {exc}); "
+                              f"{job.landing.name} is published")
+    return saved
 
 
-def publish(tmp: Path, final: Path, keep_existing: bool = True) -> tuple[Path, Path | None]:
-    """Rename the finished save into place; returns ``(where it is, the
-    checkpoint it replaces or None)``. A complete checkpoint is never moved
-    away before its replacement is in place: when ``latest`` names one of the
-    same name (and ``keep_existing``), the new save takes the next generation
-    of the name (``step-00000040.1``) and the old one is returned, to be
-    deleted once ``latest`` names the new one; one that ``latest`` does not
-    name is moved aside and replaced."""
-    root, replaced = final.parent, None
-    if final.exists() and keep_existing and layout.read_latest_quietly(root) == final.name:
-        final, replaced = layout.next_generation(final), final
-    elif final.exists():
-        trash = final.with_name(f"{TRASH_PREFIX}{final.name}-{os.getpid()}")
-        os.rename(final, trash)
-        os.rename(tmp, final)
-        layout.fsync_dir(root)
+def settled(saved: Saved, on_published=None) -> None:
+    """On the training thread: what failed after the publish, as warnings; then ``on_published(saved)``."""
+    for problem in saved.problems:
+        warnings.warn(f"Checkpoint: {problem}", RuntimeWarning, stacklevel=3)
+    if on_published is not None:
+        on_published(saved)
+
+
+def publish(tmp: Path, landing: Path) -> None:
+    """Rename the finished save into place. A checkpoint at ``landing`` that
+    ``latest`` does not name is moved aside first and deleted after (one that
+    ``latest`` names is never replaced: the save lands on the next generation)."""
+    root, trash = landing.parent, None
+    if landing.exists():
+        trash = landing.with_name(f"{TRASH_PREFIX}{landing.name}-{os.getpid()}")
+        os.rename(landing, trash)
+    os.rename(tmp, landing)
+    store.fsync_dir(root)
+    if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
-        return final, None
-    os.rename(tmp, final)
-    layout.fsync_dir(root)
-    return final, replaced
 
 
 # -- the host copy, in shared memory ------------------------------------------------------
@@ -267,12 +286,8 @@ class Snapshot:
 def find_nonfinite(floating) -> tuple | None:
     """``(rel, key, value)`` of the first tensor of ``floating`` holding a NaN
     or an infinity, or None: one fused reduction, off the training thread."""
-    bad = finite.first_nonfinite(t for *_, t in floating)
-    if bad is None:
-        return None
-    rel, key, t = floating[bad]
-    flat = t.detach().reshape(-1)
-    return rel, "".join(f"[{k!r}]" for k in key), flat[~flat.isfinite()][0].item()
+    found = finite.first_bad(floating)
+    return None if found is None else (found[0], "".join(f"[{k!r}]" for k in found[1]), found[2])
 
 
 #: accelerator -> free host buffers by size: (the file that backs it, its storage)
@@ -726,15 +741,17 @@ def _serve(jobs: Connection, results: Connection, parent: int) -> None:
 
 @dataclass
 class Pending:
-    """A save in flight: handed to ``writer`` (None: done already, ``result``)."""
+    """A save in flight, the one place that knows it is in flight and where
+    it lands; handed to ``writer`` (None: nothing to write on this process,
+    it lands where the main process publishes it)."""
 
-    name: Path
+    landing: Path
     tmp: Path
     snapshot: Snapshot | None = None
     writer: WriterProcess | None = None
-    done: Any = None  # called on the training thread with the published directory
+    done: Any = None  # called on the training thread with the Saved
     explain: Any = None  # the writer's (kind, detail) -> the exception to raise
-    result: Path | None = None
+    result: Saved | None = None
 
 
 #: loop -> its save in flight (at most one); loop -> its writer process
@@ -824,13 +841,12 @@ def settle(loop, block: bool = True) -> Pending | None:
             job.snapshot.release(loop.accelerator)
         if kind != "done":
             del _PENDING[loop]
-            layout.mark_live(job.tmp, False)
+            store.mark_live(job.tmp, False)
             raise job.explain(kind, value)
-        job.result = Path(value)
+        job.result = value
     del _PENDING[loop]
-    layout.mark_live(job.tmp, False)
-    if job.done is not None:
-        job.done(job.result)
+    store.mark_live(job.tmp, False)
+    settled(job.result or Saved(job.landing), job.done)
     return job
 
 
@@ -840,10 +856,10 @@ def wait(loop) -> Path | None:
     :class:`CheckpointError` naming it on every process (one agreement)."""
     if pending(loop) is None:
         return None
-    settled = None
+    done = None
     with every_rank(loop.accelerator):
-        settled = settle(loop)
-    return settled.result if settled is not None else None
+        done = settle(loop)
+    return done.landing if done is not None else None
 
 
 def poll(loop) -> Path | None:
@@ -852,8 +868,8 @@ def poll(loop) -> Path | None:
     :func:`wait`, at the next save or the fit's end)."""
     if loop.accelerator.num_processes > 1:
         return None
-    settled = settle(loop, block=False)
-    return None if settled is None else settled.result
+    done = settle(loop, block=False)
+    return None if done is None else done.landing
 
 
 def main() -> None:

@@ -7,16 +7,17 @@ brings along."""
 
 from __future__ import annotations
 
-import math
 import sys
 import warnings
+import weakref
 from pathlib import Path
 
 from .. import checkpointing
-from ..checkpointing import layout, runs
+from ..checkpointing import saving as runs
+from ..checkpointing import store, writer
 from ..checkpointing.collective import every_rank
-from ..checkpointing import writer
-from ..checkpointing.saving import poll, prepare_asynchronous, wait
+from ..checkpointing.saving import prepare_asynchronous
+from ..checkpointing.writer import poll, wait
 from ..markers import hookimpl
 from ..preemption import DEFAULT_SIGNALS
 
@@ -116,8 +117,6 @@ class Checkpoint(checkpointing.CheckpointPolicy):
         #: ``"monitor"``, ``"fit_end"``, ``"preempted"``, ``"requested"`` ...: its ``reason``)
         self.last_saved: Path | None = None
         self.last_reason: str | None = None
-        #: the checkpoint an asynchronous save is writing (None: none in flight)
-        self.saving: Path | None = None
         self._run_dir = None  # the run folder chosen at the first fit (default dir)
         self._resumed = None  # (path, manifest) of the checkpoint the loop resumed from
         self._epoch_ending = False  # between on_train_epoch_end and on_epoch_end
@@ -125,6 +124,7 @@ class Checkpoint(checkpointing.CheckpointPolicy):
         self._ready = False  # on_fit_start set the directory up
         self._prepared = False  # the first asynchronous save's host buffers are being allocated
         self._lock = None  # the run lock of the directory while a fit runs (main process)
+        self._loop = None  # the loop it saves (whose save in flight :attr:`saving` names)
 
     def directory(self, loop) -> Path:
         """The checkpoint root: ``dir``, else this run's folder; before the
@@ -134,7 +134,7 @@ class Checkpoint(checkpointing.CheckpointPolicy):
     def roots(self, loop) -> list[Path]:
         if self.dir is not None or self._run_dir is not None:
             return [self.dir or self._run_dir]
-        return runs.run_roots(layout.default_directory(loop.accelerator))
+        return runs.run_roots(store.default_directory(loop.accelerator))
 
     def best_checkpoint(self, loop, mine: bool = True):
         """``(value, path)`` of the best checkpoint by ``monitor`` in
@@ -213,7 +213,7 @@ class Checkpoint(checkpointing.CheckpointPolicy):
     def on_safe_point(self, loop, epoch_end, fit_end):
         if self._lock is not None:
             self._lock.refresh()  # the heartbeat: at most every 30 s, else one clock read
-        if self.saving is not None:
+        if writer.pending(loop) is not None:
             poll(loop)  # a background save that finished: published, or its error raised here
         state = loop.state
         candidate, requested = self._candidate, self._requested
@@ -253,7 +253,6 @@ class Checkpoint(checkpointing.CheckpointPolicy):
                 wait(loop)  # the save in flight is published first; its failure only warns
             except Exception as exc:  # noqa: BLE001 - the exception that ends the fit matters more
                 warnings.warn(f"Checkpoint: {exc}", RuntimeWarning, stacklevel=2)
-                self.saving = None
             if (self.on_exception_save and self._ready and isinstance(exception, Exception)
                     and not _poisoned(exception)):
                 self._emergency(loop, exception)
@@ -263,13 +262,19 @@ class Checkpoint(checkpointing.CheckpointPolicy):
 
     # -- work --------------------------------------------------------------------
 
-    def save(self, loop, reason: str = "requested", epoch_end: bool = False) -> Path | None:
+    @property
+    def saving(self) -> Path | None:
+        """Where the asynchronous save in flight lands (None: none in flight)."""
+        loop = self._loop() if self._loop is not None else None
+        pending = writer.pending(loop) if loop is not None else None
+        return pending.landing if pending is not None else None
+
+    def save(self, loop, reason: str = "requested") -> Path | None:
         """Save the run now, as this plugin's own saves are made, and return
         the checkpoint's directory (every process must call it). At a safe
         point (``on_safe_point``, or outside ``fit``) it saves at once; from
         any other hook during a fit it returns None and the checkpoint is
-        written at the next safe point (:attr:`last_saved` names it then).
-        ``epoch_end`` is accepted for 0.2 code and not needed."""
+        written at the next safe point (:attr:`last_saved` names it then)."""
         if loop.at_safe_point:
             return self._save(loop, reason)
         self.request(reason)
@@ -294,38 +299,30 @@ class Checkpoint(checkpointing.CheckpointPolicy):
             return self.saving or self.last_saved or loop.resumed_from  # saved here already, or resumed from
         wait(loop)  # the save in flight first: what it publishes counts for rotation and best-k
         root = self.directory(loop)
-        name = layout.checkpoint_name(position["global_step"], position["step_in_epoch"] == 0)
+        name = store.checkpoint_name(position["global_step"], position["step_in_epoch"] == 0)
         loop.hook.before_save_checkpoint(loop=loop, checkpoint=root / name, reason=reason)
-        record, keep = None, set()
-        if self.monitor is not None:
-            if monitor is not None:
-                record = {"key": self.monitor, "value": monitor, "mode": self.mode}
-            extra = (monitor, root / name) if monitor is not None and math.isfinite(monitor) else None
-            keep = {p.name for _, p in runs.Scan(root).best(loop.state.run, self.monitor, self.mode,
-                                                            self.save_top_k, extra)}
-        self.last_reason = reason
+        record = None if monitor is None else {"key": self.monitor, "value": monitor, "mode": self.mode}
+        self.last_reason, self._loop = reason, weakref.ref(loop)
 
-        def published(path):
-            self.last_saved, self.saving = path, None
-            if record is not None:
-                self._update_best(loop)
-            loop.hook.after_save_checkpoint(loop=loop, checkpoint=path, reason=reason)
+        def published(saved):  # (the one scan of the save found the best)
+            self.last_saved = saved.path
+            if self.monitor is not None:
+                self.best = None if saved.best is None else {"path": saved.best[1], "value": saved.best[0]}
+            loop.hook.after_save_checkpoint(loop=loop, checkpoint=saved.path, reason=reason)
 
-        path = checkpointing.save(loop, root, reason=reason, name=name, keep_last=self.keep_last,
-                                  monitor=record, keep=keep, on_published=published,
-                                  asynchronous=self.asynchronous and reason != "preempted")
+        path = checkpointing.save(loop, root, reason=reason, name=name, keep_last=self.keep_last, monitor=record,
+                                  best=(self.monitor, self.mode, self.save_top_k) if self.monitor else None,
+                                  on_published=published, asynchronous=self.asynchronous and reason != "preempted")
         self._saved_position = position
-        if self.last_saved != path:
-            self.saving = path  # (written in the background; published() when it lands)
         return path
 
     def _choose_run_dir(self, loop):
         """Default directory: the resumed checkpoint's run folder, else the
         newest one a dead run left (taken over) or a new ``version_<N>``;
         chosen by the main process for every process."""
-        base = layout.default_directory(loop.accelerator)
+        base = store.default_directory(loop.accelerator)
         resumed = loop.resumed_from
-        if resumed is not None and layout.is_run_dir(base, resumed.parent):
+        if resumed is not None and store.is_run_dir(base, resumed.parent):
             self._run_dir = resumed.parent
             return
         name = error = None
@@ -355,7 +352,7 @@ class Checkpoint(checkpointing.CheckpointPolicy):
                           "(the other ranks cannot join a save from an error on one)", RuntimeWarning,
                           stacklevel=3)
             return
-        name = "emergency-" + layout.checkpoint_name(loop.state.global_step)
+        name = "emergency-" + store.checkpoint_name(loop.state.global_step)
         try:
             path = checkpointing.save(loop, self.directory(loop), reason="exception", name=name,
                                       update_latest=False)

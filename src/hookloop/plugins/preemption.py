@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import checkpointing
-from ..checkpointing.saving import wait
+from ..checkpointing.writer import wait
 from ..markers import hookimpl
 from ..preemption import Preempted, SignalWatcher, signal_name
 from ..protocols import LoopLike

@@ -1,39 +1,32 @@
 """A resume, in one pass: find the checkpoint (:func:`find`: ``latest`` read
-once, every fallback decided there), read its manifest once, check it against
-the loop, read and verify each file once (:func:`~.reading.stage`), check what
-was read, commit (:func:`commit`), or nothing; and a new run from a
-checkpoint's weights (:func:`load_weights`)."""
+once, every fallback decided there, the main process's view deciding for
+every process), read its manifest once, check it against the loop, read and
+verify each file once (:func:`~.stage.stage`), check what was read, commit
+(:func:`commit`), or nothing; and a new run from a checkpoint's weights
+(:func:`load_weights`)."""
 
 from __future__ import annotations
 
-import io
 import os
 import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import torch
 
 from ..rng import Resume, capture_rng
 from . import accelerate as accel
 from . import elastic, formats
 from .codec import stateful_plugins
 from .collective import every_rank
-from .compat import check_resume, check_shapes
 from .errors import CheckpointError, NotACheckpointName, first_line
-from .finite import first_nonfinite
-from .layout import LATEST, STATE_FILE, list_checkpoints, read_latest
+from .finite import first_bad
 from .lock import refuse_live_run
 from .manifest import peek, read_manifest
-from .reading import Folder, Staged, fitting_weights, match_weights, read_rank_file, read_weights, stage
-from .runs import adopt_run, trusted_pickles
+from .saving import adopt_run, trusted_pickles
+from .stage import (Folder, Staged, check_optimizers, check_resume, check_shapes, custom_states, read_rank_file,
+                    refuse_misfit, stage, weights_report)
+from .store import LATEST, STATE_FILE, list_checkpoints, read_latest
 
-#: torch optimizer state entries that have their parameter's shape
-_PER_PARAMETER = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
-                  "grad_avg", "acc_delta", "exp_inf", "prev", "sum", "ax", "mu_product_buffer"}
-#: param-group entries newer torch versions added (absent from older checkpoints: fine)
-_OPTIONAL_GROUP_KEYS = {"params", "foreach", "maximize", "capturable", "differentiable", "fused",
-                        "decoupled_weight_decay", "initial_lr", "param_names"}
 #: what every rank must be told when some cannot see the checkpoint
 _SHARED = ("A checkpoint folder must be visible to every process: a shared file system, or copy "
            "it to each machine")
@@ -110,12 +103,20 @@ def _find_in(resume_from, root, stacklevel: int, last: bool):
         problems.append(outcome.error)
     if lenient and name is None and not candidates:
         return None if not last else (None, None)
-    if lenient and not last and name is None and all(peek(root / c) is None for c in candidates):
+    if lenient and not last and name is None and not any(_readable(root / c) for c in candidates):
         warnings.warn(f"hookloop: skipping run folder {root}: none of its checkpoint folders is "
                       f"readable ({'; '.join(problems[-3:])})", RuntimeWarning, stacklevel=stacklevel)
         return None
     raise CheckpointError(f"resume_from={str(resume_from)!r}: no usable checkpoint in {root} "
                           f"(found {', '.join(candidates) or 'none'})" + "".join(f"; {p}" for p in problems))
+
+
+def _readable(path) -> bool:
+    try:
+        peek(path)
+    except CheckpointError:
+        return False
+    return True
 
 
 def _views(resume_from, root, lenient: bool) -> tuple[list[dict], CheckpointError | None]:
@@ -187,6 +188,7 @@ def _blind_message(views: list[dict], blind: list[int], name: str, resume_from) 
             f"{elsewhere}). {_SHARED}. Nothing was loaded")
 
 
+
 # -- loading ---------------------------------------------------------------------------
 
 
@@ -210,8 +212,8 @@ def load(loop, path, *, strict: bool = True, trust_pickles=None, staged: Staged 
                                or os.path.realpath(staged.path) != os.path.realpath(path)):
         staged = None  # staged for another process or another checkpoint: read again
     doc = read_manifest(path) if staged is None else staged.doc
-    where = f"checkpoint {str(path)!r}"
-    messages, plan = check_resume(loop, path, doc, strict)
+    where, networks = f"checkpoint {str(path)!r}", formats.describe_networks(loop)
+    messages, plan = check_resume(loop, path, doc, networks, strict)
     try:  # on a scratch state: fails before any change
         scratch = type(loop.state)()
         scratch.load_state_dict(doc["loop"])
@@ -224,15 +226,13 @@ def load(loop, path, *, strict: bool = True, trust_pickles=None, staged: Staged 
     with every_rank(acc):  # every process fails together, none waits
         if staged is None:
             staged = stage(path, doc, acc.process_index)
-        check_shapes(loop, staged, where)
-        custom = _custom_states(staged, trusted, where)
-        _check_optimizers(loop, staged, where, groups=False)
+        check_shapes(loop, staged, networks, where)
+        custom = custom_states(staged, trusted, where)
         if plan.elastic:  # the other saved ranks' positions and loop.log values
             folder = Folder(path, doc)
             parts = {r: read_rank_file(folder, r) for r in elastic.needed_ranks(staged, plan)}
-            mine = staged.source_rank
-            parts[mine] = (staged.epoch_start, staged.generators, staged.logged)
-    _restore_early(loop, staged, where)
+            parts[staged.source_rank] = (staged.epoch_start, staged.generators, staged.logged)
+    restore_early(loop, staged, networks, where)
     elastic.scale_schedulers(loop, staged, plan)
     commit(loop, staged, custom, where)  # (a rank the checkpoint lacks: derived random states)
     rng = capture_rng()
@@ -258,7 +258,10 @@ def load(loop, path, *, strict: bool = True, trust_pickles=None, staged: Staged 
 
 def commit(loop, staged: Staged, custom: list, where: str) -> None:
     """The staged states into the loop's objects, as ``accelerator.load_state``
-    does (same objects, order, values): the networks by their format, then the rest."""
+    does (same objects, order, values): the networks by their format (a
+    sharded format's collectives first), then the rest; every process agrees
+    afterwards whether it failed anywhere (never around the collectives: a
+    rank failing before one would leave the others waiting in it)."""
     acc = loop.accelerator
 
     def apply(what, rel, fn):
@@ -268,19 +271,28 @@ def commit(loop, staged: Staged, custom: list, where: str) -> None:
             raise CheckpointError(f"{where}: restoring {what} from {rel} failed after it was "
                                   f"checked: {type(exc).__name__}: {exc}") from exc
 
-    fmt = formats.of_manifest(staged.doc.get("sharding"))
-    if fmt.whole:
-        return fmt.restore(loop, staged, apply)
-    accel.before_load(acc, staged.path, with_models=staged.sharded is None)
-    fmt.restore(loop, staged, apply)
-    if staged.sharded is not None:
-        formats.restore_dcp(loop, staged, apply)
-    accel.restore_rest(acc, staged, custom, apply)
+    with every_rank(acc, catch=(Exception, _collective_failure()),
+                    describe=lambda e: e if isinstance(e, CheckpointError) else CheckpointError(
+                        f"{where}: restoring it failed on process {acc.process_index}: {first_line(e)}")):
+        accel.before_load(acc, staged.path, with_models=staged.sharded is None)
+        formats.of_manifest(staged.doc.get("sharding")).restore(loop, staged, apply)
+        if staged.sharded is not None:
+            formats.restore_dcp(loop, staged, apply)
+        accel.restore_rest(acc, staged, custom, apply)
 
 
-def _restore_early(loop, staged: Staged, where: str) -> None:
+def _collective_failure() -> type:
+    """What ``torch.distributed.checkpoint`` raises on every rank when one
+    failed (a ``BaseException``, not an ``Exception``)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
+def restore_early(loop, staged: Staged, networks: dict, where: str) -> None:
     """``load_state_dict_early(state, loop)`` of the plugins that have one, then
-    the param groups checked; added groups taken out again on a failure."""
+    the optimizer states checked against the param groups; added groups taken
+    out again on a failure."""
     acc = loop.accelerator
     optimizers = [getattr(o, "optimizer", o) for o in accel.optimizers(acc)]
     before = [list(o.param_groups) for o in optimizers]
@@ -295,84 +307,11 @@ def _restore_early(loop, staged: Staged, where: str) -> None:
                     except Exception as exc:  # noqa: BLE001
                         raise CheckpointError(f"{where}: plugin {name!r} could not restore early "
                                               f"(load_state_dict_early): {type(exc).__name__}: {exc}") from exc
-            _check_optimizers(loop, staged, where, groups=True)
+            check_optimizers(loop, staged, networks, where)
         except CheckpointError:
             for optimizer, groups in zip(optimizers, before):
                 optimizer.param_groups[:] = groups  # undo added param groups
             raise
-
-
-def _custom_states(staged: Staged, trusted: set, where: str) -> list:
-    """The registered objects' states: plain data, or (trusted by name) unpickled."""
-    out = []
-    for rel, (kind, payload) in staged.custom.items():
-        if kind == "data":
-            out.append(payload)
-        elif rel in trusted:
-            try:
-                out.append(torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False))
-            except Exception as exc:  # noqa: BLE001
-                raise CheckpointError(f"{where}: cannot unpickle {rel} (trusted by name): "
-                                      f"{type(exc).__name__}: {first_line(exc)}") from exc
-        else:
-            raise CheckpointError(
-                f"{where}: {rel}, the state of an object registered with "
-                "accelerator.register_for_checkpointing, is a pickle that does not load as plain "
-                "data (tensors, numbers, strings, lists, dicts): unpickling it could run any code, "
-                "so it is not loaded. If you wrote this checkpoint yourself, trust the file by "
-                f"name: Checkpoint(trust_pickles=[{rel!r}]) (or checkpointing.load(..., "
-                f"trust_pickles=[{rel!r}])). Better: make the object a plugin with "
-                "state_dict/load_state_dict, which hookloop stores as data"
-            )
-    return out
-
-
-def _check_optimizers(loop, staged: Staged, where: str, groups: bool) -> None:
-    """Each saved optimizer state fits its optimizer: ``groups``, its param
-    groups and per-parameter shapes (after early restores); else its class
-    (a 0.1 checkpoint's, by its groups' keys)."""
-    names = {entry["optimizer"]: name for name, entry in formats.describe_networks(loop).items()
-             if entry.get("optimizer")}
-    known_classes = bool(staged.doc.get("classes"))
-    for i, opt in enumerate(accel.optimizers(loop.accelerator)[:len(staged.optimizers)]):  # sharded: none
-        rel = accel.optimizer_file(i)
-        network, inner = names.get(rel, f"#{i}"), getattr(opt, "optimizer", opt)
-        state, cls = staged.optimizers[i], type(inner).__name__
-        if groups:
-            _check_groups(state, inner.param_groups, where, network, rel, cls)
-        elif not known_classes:  # a 0.1 checkpoint: tell other optimizers apart by their groups
-            for saved, now in zip(state["param_groups"], inner.param_groups):
-                if missing := set(now) - set(saved) - _OPTIONAL_GROUP_KEYS:
-                    raise CheckpointError(
-                        f"{where}: network {network!r}: {rel} was written by another optimizer "
-                        f"than this network's {cls}: its param groups lack "
-                        f"{', '.join(map(repr, sorted(missing)))}")
-
-
-def _check_groups(state: dict, now_groups, where, network, rel, cls) -> None:
-    saved_groups = state["param_groups"]
-    saved_sizes = [len(g.get("params", ())) for g in saved_groups]
-    now_sizes = [len(g["params"]) for g in now_groups]
-    if saved_sizes != now_sizes:
-        raise CheckpointError(
-            f"{where}: network {network!r}: {rel} holds {len(saved_sizes)} param group(s) of "
-            f"{saved_sizes} parameters; this network's {cls} has {len(now_sizes)} of "
-            f"{now_sizes}. A plugin that adds a param group during training (unfreezing a "
-            "backbone) must add it again before the optimizer state is restored: give it a "
-            "load_state_dict_early(state, loop) method (docs/checkpoints.md, Plugin state)"
-        )
-    params = [p for g in now_groups for p in g["params"]]
-    ids = [k for g in saved_groups for k in g["params"]]
-    for n, (key, param) in enumerate(zip(ids, params)):
-        entry = state["state"].get(key)
-        for name, value in (entry.items() if isinstance(entry, dict) else ()):
-            if (name in _PER_PARAMETER and isinstance(value, torch.Tensor)
-                    and tuple(value.shape) != tuple(param.shape)):
-                raise CheckpointError(
-                    f"{where}: network {network!r}: {rel} has optimizer state {name!r} of "
-                    f"shape {list(value.shape)} for parameter #{n}, which has shape "
-                    f"{list(param.shape)}: the parameters are in another order or of another model"
-                )
 
 
 # -- a new run from a checkpoint's weights ---------------------------------------------
@@ -391,7 +330,7 @@ def load_weights(loop, path, *, staged: Staged | None = None, strict: bool = Tru
     or of another shape, also said in a warning."""
     acc, path = loop.accelerator, Path(path)
     where = f"checkpoint {str(path)!r}"
-    if accel.kind(acc) in elastic.SHARDED:
+    if accel.kind(acc) in accel.SHARDED_TYPES:
         raise CheckpointError(f"{where}: load_checkpoint(weights_only=True) reads whole models, and "
                               f"this run's models are sharded ({accel.kind(acc)}): resume it with "
                               "load_checkpoint(path) on the same number of processes instead")
@@ -403,50 +342,36 @@ def load_weights(loop, path, *, staged: Staged | None = None, strict: bool = Tru
                               "processes instead")
     models = accel.models(acc)
     index = {accel.model_file(i): i for i in range(len(models))}
-    states = {}
+    states, reports = {}, {}
     with every_rank(acc):  # every process fails together, none waits
         if staged is not None and os.path.realpath(staged.path) == os.path.realpath(path):
             read = {name: staged.models[index[now[name]["model"]]] for name in now}
-        elif not os.path.lexists(path / STATE_FILE) and accel.written_by_save_state(path):
-            folder = Folder(path)
-            files = [i for i in range(len(folder.names) + 1)
-                     if folder.has(accel.model_file(i)) or folder.has(accel.legacy_model_file(i))]
-            if files != sorted(index[entry["model"]] for entry in now.values()):
-                raise CheckpointError(
-                    f"{where} (written by accelerator.save_state) holds {len(files)} model(s) "
-                    f"({', '.join(folder.model_file(i) for i in files) or 'none'}); this loop has "
-                    f"{len(now)} ({', '.join(f'{n!r}' for n in now)}): their weights are matched by "
-                    "the order in which the models were prepared")
-            read = read_weights(folder, {n: folder.model_file(index[e["model"]]) for n, e in now.items()})
         else:
-            read = _weights_of_checkpoint(path, where, now)
-        reports = {}
+            read = _weights_of(path, where, now, index)
         for name, state in read.items():
             model = models[index[now[name]["model"]]]
+            expected = model.state_dict()
+            state = accel.in_model_names(state, expected)  # (a compiled model's names, or its eager model's)
+            report = reports[name] = weights_report(state, expected)
             if strict:
-                state = match_weights(state, model, name, where)  # (in the model's tensor names)
+                refuse_misfit(report, state, name, where)
             else:
-                state, reports[name] = fitting_weights(state, model)
-            floating = [(k, t) for k, t in state.items() if isinstance(t, torch.Tensor) and t.is_floating_point()]
-            if (bad := first_nonfinite(t for _, t in floating)) is not None:
-                key, t = floating[bad]
-                flat = t.reshape(-1)
+                state = {k: v for k, v in state.items() if k in expected and k not in report["mismatched"]}
+            found = first_bad([(k, t) for k, t in state.items() if t.is_floating_point()])
+            if found is not None:
                 raise CheckpointError(f"{where}: the weights of network {name!r} are not finite (tensor "
-                                      f"{key!r}: {flat[~flat.isfinite()][0].item()})")
+                                      f"{found[0]!r}: {found[1]})")
             states[name] = (model, state)
     for name, (model, state) in states.items():
         try:
-            if strict:
-                accel.load_model_state(model, state)
-            else:
-                model.load_state_dict(state, strict=False)
+            accel.load_model_state(model, state, strict=strict)
         except Exception as exc:  # noqa: BLE001 - checked before; name the network if it still fails
             raise CheckpointError(f"{where}: restoring the weights of network {name!r} failed after "
                                   f"they were checked: {type(exc).__name__}: {exc}") from exc
     if strict:
         return path
-    loaded = WeightsLoaded(path, *({n: r[k] for n, r in reports.items()}
-                                   for k in ("missing", "unexpected", "mismatched")))
+    loaded = WeightsLoaded(path, *({n: r[k] for n, r in reports.items()} for k in ("missing", "unexpected",
+                                                                                    "mismatched")))
     if loaded.differences() and acc.is_main_process:
         warnings.warn(f"hookloop: {loaded.differences()}", RuntimeWarning, stacklevel=3)
     return loaded
@@ -479,20 +404,33 @@ class WeightsLoaded(NamedTuple):
         return f"loaded what fits of {self.path}: " + " / ".join(said) if said else ""
 
 
-def _weights_of_checkpoint(path: Path, where: str, now: dict) -> dict:
-    doc = read_manifest(path)
-    saved = doc["networks"]
-    if not isinstance(saved, dict) or sorted(saved) != sorted(now):
-        names = sorted(saved) if isinstance(saved, dict) else saved
-        raise CheckpointError(f"{where} holds the weights of networks {names}; this loop has "
-                              f"{sorted(now)}: load_checkpoint(weights_only=True) loads every "
-                              "network by its name")
-    folder, files = Folder(path, doc), {}
-    count = (doc.get("accelerate") or {}).get("models", 0)
-    for name in now:
-        rel = (saved[name] or {}).get("model") if isinstance(saved[name], dict) else None
-        i = next((i for i in range(count) if rel == accel.model_file(i)), None)
-        if rel is None or i is None:
-            raise CheckpointError(f"{where}: network {name!r} has no weights in it")
-        files[name] = folder.model_file(i)
-    return read_weights(folder, files)
+def _weights_of(path: Path, where: str, now: dict, index: dict) -> dict:
+    """Each network's weights in checkpoint ``path``, by its name (or, in a
+    folder of Accelerate's plain format, by the models' order)."""
+    if not os.path.lexists(path / STATE_FILE) and accel.written_by_save_state(path):
+        folder = Folder(path)
+        files = [i for i in range(len(folder.names) + 1)
+                 if folder.has(accel.model_file(i)) or folder.has(accel.legacy_model_file(i))]
+        if files != sorted(index[entry["model"]] for entry in now.values()):
+            raise CheckpointError(
+                f"{where} (written by accelerator.save_state) holds {len(files)} model(s) "
+                f"({', '.join(folder.model_file(i) for i in files) or 'none'}); this loop has "
+                f"{len(now)} ({', '.join(f'{n!r}' for n in now)}): their weights are matched by "
+                "the order in which the models were prepared")
+        rels = {n: folder.model_file(index[e["model"]]) for n, e in now.items()}
+    else:
+        doc = read_manifest(path)
+        saved, folder = doc["networks"], Folder(path, doc)
+        if not isinstance(saved, dict) or sorted(saved) != sorted(now):
+            names = sorted(saved) if isinstance(saved, dict) else saved
+            raise CheckpointError(f"{where} holds the weights of networks {names}; this loop has "
+                                  f"{sorted(now)}: load_checkpoint(weights_only=True) loads every "
+                                  "network by its name")
+        count, rels = (doc.get("accelerate") or {}).get("models", 0), {}
+        for name in now:
+            rel = (saved[name] or {}).get("model") if isinstance(saved[name], dict) else None
+            i = next((i for i in range(count) if rel == accel.model_file(i)), None)
+            if rel is None or i is None:
+                raise CheckpointError(f"{where}: network {name!r} has no weights in it")
+            rels[name] = folder.model_file(i)
+    return {name: folder.tensors(rel, f"the weights of network {name!r}") for name, rel in rels.items()}
