@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..batches import length_of, loader_batch_size
-from ..rng import generator_roles
+from ..rng import generator_roles, innermost_sampler
 from . import accelerate as accel
 from . import elastic, formats, manifest, store
 from .codec import check_rng, from_data, parse_rank_file, stateful_plugins
@@ -305,7 +305,7 @@ def run_settings(loop) -> dict:
         "batches_per_epoch": length_of(data),
         "batch_size": loader_batch_size(data),
         "dataset_length": length_of(getattr(data, "dataset", None)),
-        "sampler": None if data is None else next((type(s).__name__ for s in [_innermost(data)] if s is not data), None),
+        "sampler": None if (sampler := innermost_sampler(data)) is None else type(sampler).__name__,
         "drop_last": getattr(data, "drop_last", None),
     }
     for key in ("use_seedable_sampler", "data_seed", "split_batches", "even_batches", "dispatch_batches"):
@@ -320,19 +320,6 @@ def run_settings(loop) -> dict:
     roles = generator_roles(data)  # which generator draws the shuffle (another loader redraws it)
     out["sampler_generator"], out["loader_generator"] = roles["sampler"], roles["loader"]
     return out
-
-
-def _innermost(data):
-    """The innermost sampler under a (prepared) loader's batch samplers
-    (never truth-tested: a stream's has no length), or ``data`` itself."""
-    obj = data
-    for _ in range(7):
-        inner = next((v for v in (getattr(obj, "batch_sampler", None), getattr(obj, "sampler", None))
-                      if v is not None), None)
-        if inner is None:
-            break
-        obj = inner
-    return obj
 
 
 def check_resume(loop, path, doc: dict, networks: dict, strict: bool) -> tuple[list[str], elastic.Plan]:
