@@ -3,6 +3,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 # tests/ (paths.py, handwritten.py) and tests/scripts/ (the multi-process
 # scripts' shared modules) import from any folder of tests/
@@ -15,6 +16,14 @@ for _path in (_HERE, _HERE / "scripts"):
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HOOKLOOP_DISABLE_PLUGIN_AUTOLOAD", "1")
+# One intra-op thread per process, in this one and the ones it starts: the
+# tests' tensors are tiny, and the README's command runs two xdist workers on
+# two cores, each starting two-process runs; more threads than cores spin and
+# wait. (hookloop.testing, loaded first as a pytest plugin, has imported
+# torch already: the variable reaches the processes started from here, the
+# call this one.)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -8,7 +8,6 @@ in the system temporary folder, so later runs take seconds."""
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -35,10 +34,16 @@ class EveryTen:
 '''
 
 
+def mypy_cache(settings):
+    """Warm from the second run on (mypy reads torch's stubs in ~1 min cold, ~20 s
+    warm): under the checkout's .mypy_cache, one folder per settings and Python
+    (CI runs two Pythons' tests in one checkout at once)."""
+    return ROOT / ".mypy_cache" / f"hookloop-tests-{settings}-{sys.version_info[0]}.{sys.version_info[1]}"
+
+
 def mypy(*paths):
     pytest.importorskip("mypy")
-    # one cache per Python: CI runs two Pythons' tests at once
-    cache = Path(tempfile.gettempdir()) / f"hookloop-mypy-cache-{sys.version_info[0]}.{sys.version_info[1]}"
+    cache = mypy_cache("plugin-author")
     # the plugin author's settings, not the project's: strict for their
     # file, hookloop read from its annotations without checking its bodies
     command = [sys.executable, "-m", "mypy", "--config-file", os.devnull,
@@ -70,7 +75,7 @@ def test_a_typed_plugin_checks_clean_and_a_misspelt_attribute_is_rejected(tmp_pa
 def test_the_package_checks_clean_with_the_project_configuration():
     # what pyproject.toml's [tool.mypy] says is checked: any new error fails here
     pytest.importorskip("mypy")
-    cache = Path(tempfile.gettempdir()) / f"hookloop-mypy-cache-project-{sys.version_info[0]}.{sys.version_info[1]}"
+    cache = mypy_cache("project")
     command = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
                "--cache-dir", str(cache)]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)

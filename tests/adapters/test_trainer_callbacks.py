@@ -8,11 +8,11 @@ two-process test is slow-marked.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+import launching
 import pytest
 import torch
 
@@ -592,11 +592,7 @@ def test_the_gan_demo_runs_a_trainer_callback(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_two_processes_one_world_process_zero_and_one_tensorboard_writer(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", "0", str(SCRIPTS / "trainer_callbacks_two_processes.py"), str(tmp_path)]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    result = launching.run_two("trainer_callbacks_two_processes.py", tmp_path, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
     assert [r["is_world_process_zero"] for r in ranks] == [True, False]

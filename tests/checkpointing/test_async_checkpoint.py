@@ -15,6 +15,7 @@ import time
 import zipfile
 from pathlib import Path
 
+import launching
 import pytest
 import torch
 from accelerate import Accelerator
@@ -500,15 +501,9 @@ def test_two_processes_save_in_the_background_what_they_save_synchronously(tmp_p
     """``accelerate launch --multi_gpu --num_processes 2`` (CPU, gloo): every rank's random
     states land before the main process's writer publishes; the run ends where the
     synchronous one ends, with the same checkpoints."""
-    import subprocess
-    import sys
 
     def launch(out, script):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
-               "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", "0", str(script), str(out), *SUPERVISED]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                              env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+        done = launching.run_two(script, out, *SUPERVISED, timeout=300)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         assert json.loads((out / "run.json").read_text())["num_processes"] == 2
         return runner.params(out)

@@ -623,8 +623,6 @@ def test_a_version_1_checkpoint_is_refused_naming_the_hookloop_that_wrote_it(tmp
 
 @pytest.mark.slow
 def test_a_process_sent_sigterm_during_its_final_save_exits_75(tmp_path):
-    import sys
-    import time
 
     import runner
 
@@ -633,9 +631,7 @@ def test_a_process_sent_sigterm_during_its_final_save_exits_75(tmp_path):
     out.mkdir()
     # 3 epochs of 4 updates: the last save is step-12-epoch-end; held before its rename
     process = runner.plain_python(out, *args, "--pause", "savesignal:publish:12")
-    while not (out / "paused-0").exists():
-        assert process.poll() is None, process.communicate()[0][-3000:]
-        time.sleep(0.02)
+    runner.wait_for_markers(process, out / "paused-0")
     process.send_signal(signal.SIGTERM)
     output = process.communicate(timeout=runner.PATIENCE_S)[0]
     assert process.returncode == PREEMPTED_EXIT_CODE, output[-3000:]  # not -15

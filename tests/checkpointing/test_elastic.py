@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import elastic
+import launching
 import runner
 from hookloop.testing import reset_accelerate
 
@@ -52,11 +53,9 @@ def launch_two(out, *args) -> subprocess.CompletedProcess:
     """elastic.py in two processes (``accelerate launch --multi_gpu
     --num_processes 2``; the script asks for ``Accelerator(cpu=True)``), as
     ``runner.launch_two`` starts resumable.py."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", "0", str(SCRIPT), str(out), *map(str, args)]
-    return subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=runner.PATIENCE_S)
+    done = launching.run_two(SCRIPT, out, *args, timeout=runner.PATIENCE_S)
+    done.stdout += done.stderr  # (the launcher's one stream)
+    return done
 
 
 def launch_one(out, *args) -> subprocess.CompletedProcess:

@@ -3,9 +3,7 @@
 import json
 import os
 import signal
-import sys
 import time
-from pathlib import Path
 
 import pytest
 from accelerate import Accelerator
@@ -33,9 +31,7 @@ def test_sigterm_exits_75_after_the_current_step_and_the_run_resumes_equal(tmp_p
     # a plain interpreter: its own exit status, not multiprocessing's
     process = runner.plain_python(out, *ARGS, "--pause", "signal:14")
     marker = out / "paused-0"
-    while not marker.exists():  # held inside batch 14 (update 7), before its backward pass
-        assert process.poll() is None, process.communicate()[0][-3000:]
-        time.sleep(0.02)
+    runner.wait_for_markers(process, marker)  # held inside batch 14 (update 7), before its backward pass
     process.send_signal(signal.SIGTERM)
     output = process.communicate(timeout=runner.PATIENCE_S)[0]
     assert process.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
@@ -139,9 +135,7 @@ def test_signals_none_leaves_signal_handling_alone(tiny_loop, tmp_path):
 
 def _held(process, out, rank=0):
     marker = out / f"paused-{rank}"
-    while not marker.exists():
-        assert process.poll() is None, process.communicate()[0][-3000:]
-        time.sleep(0.02)
+    runner.wait_for_markers(process, marker)
     return json.loads(marker.read_text())
 
 

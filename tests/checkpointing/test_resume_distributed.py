@@ -3,9 +3,6 @@
 import json
 import os
 import signal
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
@@ -25,9 +22,7 @@ def finish(process):
 def kill_when_paused(process, out):
     """Once both ranks hold at their pause, SIGKILL them and the launcher."""
     markers = [out / "paused-0", out / "paused-1"]
-    while not all(m.exists() for m in markers):
-        assert process.poll() is None, process.communicate()[0][-4000:]
-        time.sleep(0.05)
+    runner.wait_for_markers(process, *markers)
     for m in markers:  # torchrun may start the ranks in sessions of their own
         os.kill(json.loads(m.read_text())["pid"], signal.SIGKILL)
     os.killpg(process.pid, signal.SIGKILL)
@@ -96,9 +91,7 @@ def test_two_processes_sent_sigterm_during_a_predict_after_fit_both_exit_75(tmp_
     pids = []
     for rank in (0, 1):
         marker = tmp_path / f"paused-{rank}"
-        while not marker.exists():
-            assert process.poll() is None, process.communicate()[0][-4000:]
-            time.sleep(0.05)
+        runner.wait_for_markers(process, marker)
         pids.append(json.loads(marker.read_text())["pid"])
     for pid in pids:
         os.kill(pid, signal.SIGTERM)

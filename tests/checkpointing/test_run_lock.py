@@ -414,9 +414,7 @@ def test_a_sigterm_preemption_exit_75_releases_the_lock(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     process = runner.plain_python(out, *ARGS, "--pause", "signal:14")
-    while not (out / "paused-0").exists():
-        assert process.poll() is None, process.communicate()[0][-3000:]
-        time.sleep(0.02)
+    runner.wait_for_markers(process, out / "paused-0")
     assert json.loads((out / "checkpoints" / LOCK).read_text())["pid"] == process.pid
     process.send_signal(signal.SIGTERM)
     output = process.communicate(timeout=runner.PATIENCE_S)[0]

@@ -50,7 +50,7 @@ def test_a_save_whose_rank_files_did_not_land_publishes_nothing(tmp_path, monkey
 
 @pytest.mark.slow
 def test_a_save_into_a_root_that_rank_1_does_not_share_fails_on_both_ranks(tmp_path):
-    code, output = launching.accelerate_two("unshared_folders.py", tmp_path, "save", timeout=60)
+    code, output = launching.two_ranks("unshared_folders.py", tmp_path, "save", timeout=60)
     assert code is not None, "the run hung:\n" + output[-3000:]
     saves = results(tmp_path, "save")
     for rank, save in enumerate(saves):
@@ -65,7 +65,7 @@ def test_a_save_into_a_root_that_rank_1_does_not_share_fails_on_both_ranks(tmp_p
 
 @pytest.mark.slow
 def test_a_resume_that_one_rank_cannot_see_fails_on_both_ranks(tmp_path):
-    code, output = launching.accelerate_two("unshared_folders.py", tmp_path, "resume", timeout=60)
+    code, output = launching.two_ranks("unshared_folders.py", tmp_path, "resume", timeout=60)
     assert code is not None, "the run hung:\n" + output[-3000:]
     assert [r.get("ok") for r in results(tmp_path, "train")] == [4, 4], output[-3000:]
     latest = tmp_path / "shared" / "checkpoints" / "step-00000004-epoch-end"

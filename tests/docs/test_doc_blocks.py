@@ -4,7 +4,7 @@ written.
 Each page's blocks run in order in one namespace (a later block may use what
 an earlier one defined), in a temporary working directory, after
 docs/example_names.py (the names the docs use for "your model, your data"):
-README.md's and docs/*.md's here, the plugins' READMEs in a virtual
+docs/*.md's here (README.md's each alone, in tests/docs/test_readme.py), the plugins' READMEs in a virtual
 environment where the plugins are installed
 (tests/manager/test_plugin_distributions.py). A block that cannot run as
 written (it needs the model hub, a GPU, or it is an excerpt of a larger
@@ -14,7 +14,6 @@ with a torchft lighthouse) by ``<!-- runs in: TEST (why) -->``. Both are still
 compiled here, so they must at least be Python (tests/scripts/doc_blocks.py).
 """
 
-import re
 
 import pytest
 
@@ -23,9 +22,12 @@ from paths import ROOT, SCRIPTS  # noqa: F401
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PLUGIN_PAGES = sorted((ROOT / "plugins").glob("*/README.md"))
+#: README.md's blocks run in tests/docs/test_readme.py, each alone in a fresh interpreter
+#: (more than here: no earlier block's names), once
+RUN_HERE = [page for page in PAGES if page.name != "README.md"]
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+@pytest.mark.parametrize("page", RUN_HERE, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_python_block_of_the_page_runs_as_written(page, tmp_path, monkeypatch, capsys):
     from hookloop.testing import reset_accelerate
 

@@ -1,12 +1,28 @@
-"""The README's plugin-writing guide runs as written."""
+"""Every Python block of the README runs as written, once: alone, in a fresh
+interpreter (it carries its imports and its data); the plugin-writing
+guide's blocks also do what the guide says. (tests/docs/test_doc_blocks.py
+leaves README.md to this file.)"""
 
+import json
+import os
 import re
-from pathlib import Path
+import subprocess
+import sys
 
 import pytest
 from paths import ROOT, SCRIPTS  # noqa: F401
 
 README = ROOT / "README.md"
+#: appended to a block's run, after the block as written: what its ``loop`` ended with
+REPORT = """
+import json as _json
+print("@@report " + _json.dumps({"stop_reason": loop.state.stop_reason, "global_step": loop.state.global_step,
+                                 "epoch": loop.state.epoch, "plugins": list(loop.plugins.names())}))
+"""
+
+
+def readme_blocks():
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
 def guide_blocks():
@@ -15,39 +31,36 @@ def guide_blocks():
     return re.findall(r"```python\n(.*?)```", section, flags=re.S)
 
 
-def test_the_plugin_guide_runs_and_does_what_it_says(capsys):
-    blocks = guide_blocks()
-    assert len(blocks) == 2
-    namespace = {}
-    exec(compile(blocks[0], "README:first-plugin", "exec"), namespace)
-    loop = namespace["loop"]
-    assert loop.state.stop_reason is not None and loop.state.stop_reason.startswith("loss ")
-    assert loop.state.global_step % 10 == 0 and loop.state.epoch < 50
-    out = capsys.readouterr().out
-    assert "step 10 loss" in out and "stopped: loss" in out
+def run_alone(block, tmp_path):
+    """The block in a fresh interpreter; its stdout and, if it made a ``loop``, the report."""
+    env = {**os.environ, "HOOKLOOP_DISABLE_PLUGIN_AUTOLOAD": "1", "OMP_NUM_THREADS": "1"}
+    code = block + (REPORT if re.search(r"^loop = ", block, flags=re.M) else "")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith("@@report ")]
+    return done.stdout, (reports[0] if reports else None)
 
-    from hookloop.testing import reset_accelerate
 
-    reset_accelerate()
-    exec(compile(blocks[1], "README:loss-plugin", "exec"), namespace)
-    assert namespace["loop"].state.global_step == 16
-    assert "LabelSmoothing" in namespace["loop"].plugins.names()
+def test_the_readme_has_the_blocks_these_tests_run():
+    blocks, guide = readme_blocks(), guide_blocks()
+    assert len(blocks) == 5 and len(guide) == 2
+    assert blocks[1:3] == guide  # the guide's two, after "Train a model"'s
 
 
 @pytest.mark.parametrize("index", range(5))
 def test_every_python_block_of_the_readme_runs_alone_in_a_fresh_interpreter(index, tmp_path):
     """Copied alone, a block runs: it carries its imports and its data (0.3:
-    three of five failed with a NameError)."""
-    import os
-    import subprocess
-    import sys
-
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert len(blocks) == 5
-    env = {**os.environ, "HOOKLOOP_DISABLE_PLUGIN_AUTOLOAD": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", blocks[index]], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    three of five failed with a NameError). The guide's two blocks (1 and 2)
+    also do what the guide says."""
+    out, report = run_alone(readme_blocks()[index], tmp_path)
+    if index == 1:  # the first plugin: prints every 10 steps, stops below the threshold
+        assert report["stop_reason"] is not None and report["stop_reason"].startswith("loss "), report
+        assert report["global_step"] % 10 == 0 and report["epoch"] < 50, report
+        assert "step 10 loss" in out and "stopped: loss" in out, out
+    elif index == 2:  # the loss plugin: 2 epochs of 8 batches, the plugin registered
+        assert report["global_step"] == 16, report
+        assert "LabelSmoothing" in report["plugins"], report
 
 
 # -- the GAN demo's figures -----------------------------------------------------------

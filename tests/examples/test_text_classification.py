@@ -5,9 +5,8 @@ processes with one log and every test example counted once."""
 
 import json
 import os
-import subprocess
-import sys
 
+import launching
 import pytest
 import torch
 
@@ -190,16 +189,14 @@ def test_vader_lexicon_labels_and_split():
 def test_two_processes_same_parameters_each_example_once_one_log(tiny_model_dir, tmp_path):
     report = tmp_path / "report.json"
     out = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--main_process_port", "0", TWO_PROCESSES, str(report),
-        "--cpu", "--model", tiny_model_dir, "--output-dir", str(out), "--epochs", "2",
+    args = [
+        str(report), "--cpu", "--model", tiny_model_dir, "--output-dir", str(out), "--epochs", "2",
         "--batch-size", "8", "--lr", "1e-3", "--log-every", "1",
         # 37 test examples in batches of 8 over 2 processes: the last batch is
         # uneven and Accelerate pads it with repeated examples
         "--max-train-examples", "40", "--max-eval-examples", "37",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = launching.run_two(TWO_PROCESSES, *args, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(report.read_text())
     assert r["num_processes"] == 2 and r["process_indices"] == [0, 1]

@@ -2,13 +2,10 @@
 Accelerate repeats on every call, and bit for bit the same training."""
 
 import json
-import os
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import accelerate.optimizer
+import launching
 import pytest
 import torch
 from accelerate import Accelerator
@@ -290,11 +287,7 @@ def test_an_optimizer_with_a_gradient_scaler_gets_accelerates_step():
 @pytest.mark.slow
 @verified_only
 def test_two_processes_train_bit_for_bit_like_the_hand_written_loop(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", "0", str(SCRIPTS / "fastpath_two_processes.py"), str(tmp_path)]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    result = launching.run_two("fastpath_two_processes.py", tmp_path, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank-{rank}.json").read_text())

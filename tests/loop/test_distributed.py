@@ -1,28 +1,19 @@
 """Two real data-parallel processes on CPU (gloo)."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+import launching
 from paths import ROOT, SCRIPTS  # noqa: F401
 
 SCRIPTS = SCRIPTS
 
 
 def launch_two(script, *args, timeout=300):
-    """`accelerate launch --multi_gpu --num_processes 2` (``--cpu`` would
-    silently start one process); the script asks for Accelerator(cpu=True)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", "0", str(SCRIPTS / script), *map(str, args)]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
+    """Two ranks as `accelerate launch --multi_gpu --num_processes 2` starts
+    them (launching.run_two); the script asks for Accelerator(cpu=True)."""
+    return launching.run_two(script, *args, timeout=timeout, check=True)
 
 
 @pytest.mark.slow

@@ -154,3 +154,35 @@ def test_torchrun_restarts_on_torch_2_13_without_the_store_variable_warn_at_the_
         assert "a restarted group (after a failure, or when a node joins or leaves) cannot connect" in said[0]
     else:
         assert said == []
+
+
+# -- launching.run_two, the suite's two ranks, against accelerate launch -----------------
+
+
+@pytest.mark.slow  # one `accelerate launch`, ~4 s
+def test_run_two_gives_a_rank_what_accelerate_launch_gives_it(tmp_path):
+    """The multi-process tests fork their two ranks from one forkserver
+    (launching.run_two) instead of launching each run: what a rank sees must
+    be what ``accelerate launch --multi_gpu --num_processes 2`` gives it, but
+    for the launcher's agent (its store, its error file) and the port."""
+    launched, pooled = tmp_path / "launched", tmp_path / "pooled"
+    launched.mkdir()
+    pooled.mkdir()
+    code, output = launching.accelerate_two("launch_env.py", launched)
+    assert code == 0, output[-3000:]
+    done = launching.run_two("launch_env.py", pooled, check=True)
+    agent_only = {"TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "MASTER_PORT"}
+    for rank in (0, 1):
+        a = json.loads((launched / f"rank-{rank}.json").read_text())
+        b = json.loads((pooled / f"rank-{rank}.json").read_text())
+        assert {k: v for k, v in a["env"].items() if k not in agent_only} == \
+            {k: v for k, v in b["env"].items() if k not in agent_only}, rank
+        for key in ("num_processes", "distributed_type", "local", "main", "gathered", "threads",
+                    "stdout_is_a_tty", "name"):
+            assert a[key] == b[key], (rank, key, a[key], b[key])
+        assert b["argv"] == [str(pooled)] and b["cwd"] == a["cwd"]
+        assert f"rank {rank} says hello" in done.stdout and f"rank {rank} warns" in done.stderr
+    assert json.loads((pooled / "rank-0.json").read_text())["gathered"] == [1.0, 2.0]
+    # a rank that fails fails the run, as under the launcher: exit status 1
+    bad = launching.run_two("launch_env.py", tmp_path / "no-such-folder")
+    assert bad.returncode == 1 and "FileNotFoundError" in bad.stderr

@@ -337,9 +337,9 @@ def test_find_lr_is_refused_from_inside_a_fit_and_on_an_iterator(tiny_loop):
 
 @pytest.mark.slow
 def test_two_processes_see_one_curve_stop_together_and_fit_as_without_it(tmp_path):
-    from launching import accelerate_two
+    from launching import two_ranks
 
-    code, output = accelerate_two("lr_finder_two_processes.py", tmp_path, timeout=120)
+    code, output = two_ranks("lr_finder_two_processes.py", tmp_path, timeout=120)
     assert code == 0, output[-3000:]  # None: a rank stopped alone and the other hung
     ranks = [json.loads((tmp_path / f"lr-{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["lrs"] == ranks[1]["lrs"] and ranks[0]["losses"] == ranks[1]["losses"]

@@ -8,11 +8,9 @@ All in one process in about a second, except the slow-marked two-process run
 (one ``accelerate launch``, ~15 s)."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 
+import launching
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -21,7 +19,7 @@ from hookloop import Loop, Network, hookimpl
 from hookloop.strategies import GAN
 from hookloop.strategy import Strategy
 from hookloop.testing import HookRecorder, parameters
-from paths import ROOT, SCRIPTS
+from paths import ROOT
 
 GUIDE = ROOT / "docs" / "plugins.md"
 
@@ -141,10 +139,7 @@ def test_the_guide_s_several_modules_example_trains_both_parts_with_one_optimize
 @pytest.mark.slow  # one two-process `accelerate launch`, ~15 s
 def test_the_guide_s_several_modules_example_keeps_two_processes_in_sync(tmp_path):
     out = tmp_path / "report.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--main_process_port", "0", str(SCRIPTS / "parts_two_processes.py"), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    proc = launching.run_two("parts_two_processes.py", out, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["num_processes"] == 2

@@ -1,6 +1,7 @@
 """fit as its phases: why an epoch ended, which hooks ran for it (once), the
 safe points, and a fit asked of a run that is already finished."""
 
+import launching
 import pytest
 import torch
 from accelerate import Accelerator
@@ -211,15 +212,9 @@ def test_fit_to_a_limit_the_resumed_run_has_passed_warns_and_trains_nothing(tiny
 @pytest.mark.slow
 def test_a_stop_asked_on_one_process_stops_every_process_at_the_same_update(tmp_path):
     import json
-    import subprocess
-    import sys
 
-    from paths import SCRIPTS
 
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", "0", str(SCRIPTS / "disagree_two_processes.py"), str(tmp_path), "stop"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # 0.2: hangs forever
+    result = launching.run_two("disagree_two_processes.py", tmp_path, "stop", timeout=120)  # 0.2: hangs forever
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
     # asked at update 3 on rank 0 alone: both stop at the next agreement point (every 10 updates)
@@ -230,16 +225,9 @@ def test_a_stop_asked_on_one_process_stops_every_process_at_the_same_update(tmp_
 @pytest.mark.slow
 def test_metric_values_not_gathered_over_processes_are_refused_on_every_process(tmp_path):
     import json
-    import subprocess
-    import sys
 
-    from paths import SCRIPTS
 
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", "0", str(SCRIPTS / "disagree_two_processes.py"), str(tmp_path),
-           "ungathered"]
-    subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    launching.run_two("disagree_two_processes.py", tmp_path, "ungathered", timeout=120)
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
     for rank in ranks:  # in the sanity check, before any training; 0.2: ranks disagree silently
         assert rank["error"].startswith("ValueError: after_eval_step: plugin 'Ungathered' returned "

@@ -281,12 +281,14 @@ def test_new_plugin_output_installs_and_its_tests_pass(plugin_venv, tmp_path, ca
 
 
 @pytest.mark.slow  # pip installs and fresh interpreters, 10-20 s each
-def test_each_plugin_s_own_tests_pass_once_installed(plugin_venv):
-    for folder in PLUGIN_DIRS:
-        tests = plugin_venv.run("-m", "pytest", "-q", "-p", "no:cacheprovider", str(folder / "tests"),
-                                cwd=folder, check=False, timeout=OWN_TESTS_TIMEOUT)
-        # (without torchft's lighthouse log, thousands of lines that would hide the failure)
-        said = "\n".join(line for line in tests.stdout.splitlines() if "[INFO] [torchft::" not in line)
-        assert tests.returncode == 0, f"{folder.name}:\n{said[-6000:]}"
-        assert " passed" in tests.stdout and "failed" not in tests.stdout and "skipped" not in tests.stdout, \
-            f"{folder.name}:\n{tests.stdout[-3000:]}"
+# one test per distribution (Ray's and torchft's suites take a minute each): the two
+# xdist workers run them side by side, each in its worker's plugin_venv
+@pytest.mark.parametrize("folder", PLUGIN_DIRS, ids=[d.name for d in PLUGIN_DIRS])
+def test_each_plugin_s_own_tests_pass_once_installed(plugin_venv, folder):
+    tests = plugin_venv.run("-m", "pytest", "-q", "-p", "no:cacheprovider", str(folder / "tests"),
+                            cwd=folder, check=False, timeout=OWN_TESTS_TIMEOUT)
+    # (without torchft's lighthouse log, thousands of lines that would hide the failure)
+    said = "\n".join(line for line in tests.stdout.splitlines() if "[INFO] [torchft::" not in line)
+    assert tests.returncode == 0, f"{folder.name}:\n{said[-6000:]}"
+    assert " passed" in tests.stdout and "failed" not in tests.stdout and "skipped" not in tests.stdout, \
+        f"{folder.name}:\n{tests.stdout[-3000:]}"

@@ -4,12 +4,9 @@ GradientAccumulationScheduler; and the guide's "Lightning callbacks in
 hookloop" section, whose snippets run here."""
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
+import launching
 import pytest
 import torch
 from accelerate import Accelerator
@@ -242,11 +239,7 @@ def test_timer_refuses_a_malformed_duration():
 def test_timer_stops_every_process_at_the_same_update_when_their_clocks_differ(tmp_path):
     """Rank 1's clock runs three times faster: alone it would stop at update 2
     and leave rank 0 waiting in its next all-reduce. The main process decides."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", "0", str(ROOT / "tests" / "scripts" / "timer_two_processes.py"), str(tmp_path)]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    result = launching.run_two("timer_two_processes.py", tmp_path, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"timer-{r}.json").read_text()) for r in (0, 1)]
     assert [r["global_step"] for r in ranks] == [5, 5]

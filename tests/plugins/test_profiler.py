@@ -4,14 +4,12 @@ Perfetto and TensorBoard read it, its top operators printed, no profiler left
 running."""
 
 import json
-import os
-import subprocess
-import sys
 
+import launching
 import pytest
 import torch
 from accelerate import Accelerator
-from paths import ROOT, SCRIPTS
+from paths import ROOT
 from torch.profiler._trace_validator import validate_trace  # torch.profiler's reader of its Chrome traces
 
 from hookloop import hookimpl
@@ -158,11 +156,7 @@ def test_listed_by_hookloop_plugins_given_by_name_and_beside_the_hook_profiler(t
 
 @pytest.mark.slow
 def test_every_process_writes_its_trace_and_the_main_process_prints(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", "0", str(SCRIPTS / "profiler_two_processes.py"), str(tmp_path)]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    result = launching.run_two("profiler_two_processes.py", tmp_path, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert json.loads((tmp_path / "ranks.json").read_text()) == [0, 1]
     for rank in (0, 1):

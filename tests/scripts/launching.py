@@ -1,5 +1,12 @@
 """Start a script in two processes for the tests, never waiting forever.
 
+:func:`run_two`: the script's two ranks forked from this session's
+forkserver (:func:`forkserver`: torch, Accelerate, transformers and hookloop
+imported once), with the environment ``accelerate launch --multi_gpu
+--num_processes 2`` gives its ranks; no launcher and no fresh interpreters,
+about 5 s of CPU less a run (tests/loop/test_launch.py checks that a rank
+sees what it sees under ``accelerate launch``). For a test about the
+launch itself (its exit statuses, its restarts, a kill of the whole job):
 :func:`accelerate_two`: ``accelerate launch --multi_gpu --num_processes 2``
 on this CPU machine (the script asks for ``Accelerator(cpu=True)``, or does
 not, to show what happens then). :func:`two_machines`: two plain ``python``
@@ -11,16 +18,139 @@ the run once ``timeout`` seconds have passed (a hang fails the test).
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent
 #: a run that takes longer hangs: killed, and the test fails
 TIMEOUT_S = 90
+
+
+#: what the rank processes of the tests' scripts import, imported once by the forkserver
+PRELOAD = ["torch", "torch._dynamo", "accelerate", "transformers", "hookloop", "resumable"]
+_forkserver = None
+
+
+def forkserver():
+    """This session's forkserver context (one per process: runner.py's runs too)."""
+    global _forkserver
+    if _forkserver is None:
+        if str(SCRIPTS) not in sys.path:
+            sys.path.insert(0, str(SCRIPTS))  # the server imports resumable from here
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        _forkserver = ctx
+    return _forkserver
+
+
+def launch_env(rank: int, port: int, **extra) -> dict:
+    """The environment of rank ``rank`` of ``accelerate launch --multi_gpu
+    --num_processes 2 --mixed_precision no --dynamo_backend no`` on this
+    machine, but for the agent's variables (its store, its error file): rank
+    0 hosts the store, as under a plain ``torchrun``-less launch."""
+    return _env(ACCELERATE_MIXED_PRECISION="no", ACCELERATE_DYNAMO_BACKEND="NO",
+                ACCELERATE_DYNAMO_MODE="default", ACCELERATE_DYNAMO_USE_FULLGRAPH="False",
+                ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION="False",
+                TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+                RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_NAME="default",
+                LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", WORLD_SIZE="2", GROUP_WORLD_SIZE="1",
+                ROLE_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none",
+                TORCH_NCCL_ASYNC_ERROR_HANDLING="1", **extra)
+
+
+def _rank_main(script: str, args: list, env: dict, cwd: str, out: str, err: str) -> None:
+    """A rank, in a process forked from the forkserver: the environment, the
+    working directory, stdout/stderr and ``sys.argv`` of a launched script,
+    then the script as ``__main__``."""
+    import runpy
+
+    import torch
+
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    for fd, path in ((1, out), (2, err)):
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(file, fd)
+        os.close(file)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # line-buffered, as a launched rank's pipe
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    sys.argv = [script, *args]
+    sys.path.insert(0, str(Path(script).parent))
+    runpy.run_path(script, run_name="__main__")
+
+
+def run_two(script: str, *args, timeout: float = TIMEOUT_S, check: bool = False,
+            **extra_env) -> subprocess.CompletedProcess:
+    """``script`` (a path, or a name in tests/scripts/) in two ranks forked
+    from :func:`forkserver`, as ``accelerate launch`` would run it: a
+    CompletedProcess with rank 0's then rank 1's stdout and stderr, exit
+    status 0 when both ranks exit 0, else 1 (as the launcher; a rank that
+    fails gets the other one a SIGTERM, as the launcher's agent sends). Past
+    ``timeout`` both ranks are killed: subprocess.TimeoutExpired, as
+    ``subprocess.run`` raises."""
+    import tempfile
+
+    path = Path(script) if os.path.isabs(str(script)) else SCRIPTS / script
+    args = [str(a) for a in args]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = forkserver()
+    with tempfile.TemporaryDirectory(prefix="hookloop-two-") as logs:
+        files = [(os.path.join(logs, f"out-{r}"), os.path.join(logs, f"err-{r}")) for r in (0, 1)]
+        ranks = [ctx.Process(target=_rank_main, args=(str(path), args, launch_env(r, port, **extra_env),
+                                                      os.getcwd(), *files[r]))
+                 for r in (0, 1)]
+        for rank in ranks:
+            rank.start()
+        deadline = time.monotonic() + timeout
+        while any(r.exitcode is None for r in ranks) and time.monotonic() < deadline:
+            if any(r.exitcode not in (None, 0) for r in ranks):
+                # a rank failed: the launcher's agent ends the others (SIGTERM, then SIGKILL)
+                for rank in ranks:
+                    if rank.exitcode is None:
+                        rank.terminate()
+                deadline = min(deadline, time.monotonic() + 30)
+            multiprocessing.connection.wait([r.sentinel for r in ranks if r.exitcode is None],
+                                            max(0.0, deadline - time.monotonic()))
+        hung = [r for r in ranks if r.exitcode is None]
+        for rank in hung:
+            rank.kill()
+            rank.join()
+
+        def read(path):
+            return Path(path).read_text(errors="replace") if os.path.exists(path) else ""
+
+        stdout = "".join(read(out) for out, _ in files)
+        stderr = "".join(read(err) for _, err in files)
+    command = ["run_two", str(path), *args]
+    if hung:
+        raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr)
+    code = 0 if all(r.exitcode == 0 for r in ranks) else 1
+    if check and code != 0:
+        raise AssertionError(f"{path.name} {' '.join(args)}: exit statuses "
+                             f"{[r.exitcode for r in ranks]}\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(command, code, stdout, stderr)
+
+
+def two_ranks(script: str, *args, timeout: float = TIMEOUT_S) -> tuple[int | None, str]:
+    """:func:`run_two`'s exit status (None: it hung and was killed) and output,
+    as :func:`accelerate_two` returns them."""
+    try:
+        done = run_two(script, *args, timeout=timeout)
+    except subprocess.TimeoutExpired as hung:
+        return None, f"{hung.output or ''}{hung.stderr or ''}"
+    return done.returncode, done.stdout + done.stderr
 
 
 def _env(**extra) -> dict:

@@ -11,7 +11,6 @@ real SIGKILL, with its own exit status. One test per file uses a plain
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -26,18 +25,11 @@ SCRIPT = HERE / "resumable.py"
 #: generous: only a broken run takes this long (then the test fails)
 PATIENCE_S = 180
 
-_context = None
-
-
 def context():
-    global _context
-    if _context is None:
-        if str(HERE) not in sys.path:
-            sys.path.insert(0, str(HERE))  # the server imports resumable from here
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch._dynamo", "hookloop", "resumable"])
-        _context = ctx
-    return _context
+    """The forkserver launching.py's two-rank runs use too (one per process)."""
+    import launching
+
+    return launching.forkserver()
 
 
 class Run:
@@ -119,6 +111,24 @@ def launch_two(out: Path, *args, script: Path = SCRIPT) -> subprocess.Popen:
            "--main_process_port", "0", str(script), str(out), *map(str, args)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+
+
+def wait_for_markers(process: subprocess.Popen, *markers: Path) -> None:
+    """Until every marker file exists (a run holding at its ``--pause``
+    point writes ``paused-<rank>``), polling with a deadline: a process that
+    ends first, or a marker that never comes within PATIENCE_S, fails the
+    test with a message naming which marker did not appear, and the output."""
+    deadline = time.monotonic() + PATIENCE_S
+    while not all(m.exists() for m in markers):
+        missing = ", ".join(m.name for m in markers if not m.exists())
+        if process.poll() is not None:
+            raise AssertionError(f"the run exited {process.returncode} before writing {missing}:\n"
+                                 f"{process.communicate()[0][-4000:]}")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"{missing} never appeared within {PATIENCE_S} s:\n"
+                                 f"{process.communicate()[0][-4000:]}")
+        time.sleep(0.02)
 
 
 def same(a: dict, b: dict) -> list[str]:

@@ -3,9 +3,6 @@ student trains bit for bit like a hand-written Accelerate distillation loop,
 the loss is a replaceable plugin, two processes agree."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch

@@ -6,11 +6,8 @@ the slow-marked two-process run (two `accelerate launch`es, ~10 s each).
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
+import launching
 import pytest
 import torch
 import torch.nn.functional as F
@@ -550,10 +547,7 @@ def test_latent_sampler_is_used_and_noise_changes_every_step():
                                              {"generator": 4, "discriminator": 8})])
 def test_two_processes_stay_identical(tmp_path, options, steps):
     out = tmp_path / "report.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--main_process_port", "0", str(SCRIPTS / "gan_two_processes.py"), str(out), *options]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    proc = launching.run_two("gan_two_processes.py", out, *options, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["num_processes"] == 2
