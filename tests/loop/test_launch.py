@@ -164,14 +164,14 @@ def test_run_two_gives_a_rank_what_accelerate_launch_gives_it(tmp_path):
     """The multi-process tests fork their two ranks from one forkserver
     (launching.run_two) instead of launching each run: what a rank sees must
     be what ``accelerate launch --multi_gpu --num_processes 2`` gives it, but
-    for the launcher's agent (its store, its error file) and the port."""
+    for the agent's error file and the store's port."""
     launched, pooled = tmp_path / "launched", tmp_path / "pooled"
     launched.mkdir()
     pooled.mkdir()
     code, output = launching.accelerate_two("launch_env.py", launched)
     assert code == 0, output[-3000:]
     done = launching.run_two("launch_env.py", pooled, check=True)
-    agent_only = {"TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "MASTER_PORT"}
+    agent_only = {"TORCHELASTIC_ERROR_FILE", "MASTER_PORT"}
     for rank in (0, 1):
         a = json.loads((launched / f"rank-{rank}.json").read_text())
         b = json.loads((pooled / f"rank-{rank}.json").read_text())

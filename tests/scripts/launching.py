@@ -53,8 +53,8 @@ def forkserver():
 def launch_env(rank: int, port: int, **extra) -> dict:
     """The environment of rank ``rank`` of ``accelerate launch --multi_gpu
     --num_processes 2 --mixed_precision no --dynamo_backend no`` on this
-    machine, but for the agent's variables (its store, its error file): rank
-    0 hosts the store, as under a plain ``torchrun``-less launch."""
+    machine, but for the agent's error file; ``port`` is the store's, which
+    the caller hosts (the launcher's agent does: TORCHELASTIC_USE_AGENT_STORE)."""
     return _env(ACCELERATE_MIXED_PRECISION="no", ACCELERATE_DYNAMO_BACKEND="NO",
                 ACCELERATE_DYNAMO_MODE="default", ACCELERATE_DYNAMO_USE_FULLGRAPH="False",
                 ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION="False",
@@ -63,7 +63,7 @@ def launch_env(rank: int, port: int, **extra) -> dict:
                 LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", WORLD_SIZE="2", GROUP_WORLD_SIZE="1",
                 ROLE_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                 TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none",
-                TORCH_NCCL_ASYNC_ERROR_HANDLING="1", **extra)
+                TORCHELASTIC_USE_AGENT_STORE="True", TORCH_NCCL_ASYNC_ERROR_HANDLING="1", **extra)
 
 
 def _rank_main(script: str, args: list, env: dict, cwd: str, out: str, err: str) -> None:
@@ -100,11 +100,14 @@ def run_two(script: str, *args, timeout: float = TIMEOUT_S, check: bool = False,
     ``subprocess.run`` raises."""
     import tempfile
 
+    import torch.distributed
+
     path = Path(script) if os.path.isabs(str(script)) else SCRIPTS / script
     args = [str(a) for a in args]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # the ranks' store, here as in the launcher's agent: on a port the kernel chose (no
+    # race with another test for a free one), alive until both ranks have ended
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
     ctx = forkserver()
     with tempfile.TemporaryDirectory(prefix="hookloop-two-") as logs:
         files = [(os.path.join(logs, f"out-{r}"), os.path.join(logs, f"err-{r}")) for r in (0, 1)]
