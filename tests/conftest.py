@@ -58,15 +58,3 @@ def _close_open_loops():
     for loop in list(_open_loops):
         loop.close()
 
-
-def pytest_collection_modifyitems(config, items):
-    """The longest tests first (each plugin distribution's own suite, then the
-    other multi-process ones), in collection order otherwise: with ``-n 2``
-    the workers end together on short tests, instead of one running Ray's
-    suite alone at the end."""
-    def rank(item):
-        if "test_each_plugin_s_own_tests_pass_once_installed" in item.name:
-            return 0
-        return 1 if item.get_closest_marker("slow") else 2
-
-    items.sort(key=rank)
