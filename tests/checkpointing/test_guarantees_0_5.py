@@ -17,10 +17,8 @@ save is injected at a seam every implementation passes (each says why):
 
 import importlib.util
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
 import time
 import warnings
@@ -67,21 +65,10 @@ DEADLINE_S = 60
 STARTUP_S = 300
 
 
-def _kill_run(process, out: Path) -> str:
-    """SIGKILL the launcher, its descendants and the ranks (their pids are in
-    the saving markers: torchrun may start them in sessions of their own,
-    and they outlive a launcher killed first); its output."""
-    import launching
-
-    pids = set(launching._descendants(process.pid))
-    for marker in out.glob("saving-*.json"):
-        pids.add(json.loads(marker.read_text())["pid"])
-    for pid in [*pids, process.pid]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return process.communicate(timeout=60)[0] or ""
+def _kill_run(process) -> str:
+    """SIGKILL both ranks (runner.launch_two); their output."""
+    process.kill()
+    return process.communicate()[0] or ""
 
 
 def run_failing_save(out: Path, *args) -> tuple[list[dict], str]:
@@ -103,7 +90,7 @@ def run_failing_save(out: Path, *args) -> tuple[list[dict], str]:
             began is None and time.monotonic() > started + STARTUP_S)
         if done or late:
             missing = [r for r in (0, 1) if not results[r].exists()]
-            output = process.communicate()[0] if done else _kill_run(process, out)
+            output = process.communicate()[0] if done else _kill_run(process)
             what = (f"ranks {missing} ended without a result (exit {process.returncode})" if done else
                     f"hung: ranks {missing} did not finish within {DEADLINE_S} s of the failing save's start"
                     if began is not None else f"the run never reached the failing save within {STARTUP_S} s")
@@ -111,8 +98,8 @@ def run_failing_save(out: Path, *args) -> tuple[list[dict], str]:
         time.sleep(0.1)
     try:
         output = process.communicate(timeout=120)[0]
-    except subprocess.TimeoutExpired:  # (every rank reported: what holds the launcher is not judged here)
-        output = _kill_run(process, out)
+    except subprocess.TimeoutExpired:  # (every rank reported: what holds a rank after that is not judged here)
+        output = _kill_run(process)
     return [json.loads(r.read_text()) for r in results], output
 
 
@@ -123,8 +110,8 @@ def run_failing_save(out: Path, *args) -> tuple[list[dict], str]:
     ("plain", "rng-write"),  # no collective inside the save: the agreement alone
 ])
 def test_a_rank_failing_inside_a_save_fails_every_rank_within_60_s_and_publishes_nothing(tmp_path, fmt, fault):
-    """Two processes (``accelerate launch``, gloo on the CPU): from the save of
-    update 6 on, rank 1 cannot write (``No space left on device``), either
+    """Two processes (runner.launch_two: as ``accelerate launch`` runs them,
+    gloo on the CPU): from the save of update 6 on, rank 1 cannot write (``No space left on device``), either
     its DCP shard (``FileSystemWriter.write_data``, DCP's storage writer) or
     its random states (``random_states_1.pkl``). Every rank raises
     ``CheckpointError`` within 60 s, naming rank 1 and what failed; nothing
@@ -156,7 +143,7 @@ def test_a_rank_failing_inside_a_save_fails_every_rank_within_60_s_and_publishes
     try:
         output = process.communicate(timeout=STARTUP_S)[0]
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"the resumed run did not finish:\n{_kill_run(process, out)[-6000:]}") from None
+        raise AssertionError(f"the resumed run did not finish:\n{_kill_run(process)[-6000:]}") from None
     assert process.returncode == 0, output[-6000:]
     resumed = json.loads((out / "resumed.json").read_text())
     assert resumed["started_at"] == 3 and resumed["global_step"] == 8, resumed

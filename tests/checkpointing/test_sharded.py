@@ -12,7 +12,6 @@ import os
 import pickle
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -22,9 +21,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sharded.py"
 PATIENCE_S = 150
 
 
-def launch(out: Path, *args) -> subprocess.Popen:
-    """sharded.py in two processes (``accelerate launch --multi_gpu
-    --num_processes 2``, ``Accelerator(cpu=True)``), in a session of its own."""
+def launch(out: Path, *args):
+    """sharded.py in two processes, as ``accelerate launch --multi_gpu
+    --num_processes 2`` runs it (``Accelerator(cpu=True)``): runner.launch_two."""
     import runner
 
     return runner.launch_two(out, *args, script=SCRIPT)
@@ -34,7 +33,7 @@ def wait(process) -> str:
     try:
         return process.communicate(timeout=PATIENCE_S)[0]
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        process.kill()
         raise AssertionError(f"the run hung:\n{process.communicate()[0][-4000:]}") from None
 
 
@@ -45,20 +44,17 @@ def finish(out: Path, *args) -> dict:
 
 
 def kill_when_paused(out: Path, *args) -> None:
-    """Run until both ranks hold at ``--pause``, then SIGKILL both ranks and
-    the launcher (as the kernel's OOM killer or a lost node would)."""
+    """Run until both ranks hold at ``--pause``, then SIGKILL both ranks (as
+    the kernel's OOM killer or a lost node would)."""
+    import runner
+
     process = launch(out, *args)
     markers = [out / "paused-0", out / "paused-1"]
-    deadline = time.monotonic() + PATIENCE_S
-    while not all(m.exists() for m in markers):
-        if process.poll() is not None or time.monotonic() > deadline:
-            os.killpg(process.pid, signal.SIGKILL)
-            raise AssertionError(process.communicate()[0][-4000:])
-        time.sleep(0.05)
+    runner.wait_for_markers(process, *markers)
     for m in markers:
         os.kill(json.loads(m.read_text())["pid"], signal.SIGKILL)
-    os.killpg(process.pid, signal.SIGKILL)
     process.communicate(timeout=PATIENCE_S)
+    assert process.returncode != 0
 
 
 def params(out: Path) -> dict:
@@ -156,8 +152,8 @@ def test_forced_fsdp1_sharded_resumes_bitwise(tmp_path):
 def fully_shard_runs(tmp_path_factory):
     """``fully_shard`` on the user's model, ``Loop(prepare=False)``, the
     user's optimizer over the sharded parameters and a DistributedSampler:
-    the uninterrupted run (16 updates), and one whose every rank and the
-    launcher are killed at update 5 (checkpoint of update 4), then resumed."""
+    the uninterrupted run (16 updates), and one whose every rank is
+    killed at update 5 (checkpoint of update 4), then resumed."""
     args = ("--mode", "fully_shard", "--every-steps", "2")
     ref = tmp_path_factory.mktemp("fully-shard-reference")
     reference = finish(ref, *args)

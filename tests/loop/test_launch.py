@@ -182,7 +182,11 @@ def test_run_two_gives_a_rank_what_accelerate_launch_gives_it(tmp_path):
             assert a[key] == b[key], (rank, key, a[key], b[key])
         assert b["argv"] == [str(pooled)] and b["cwd"] == a["cwd"]
         assert f"rank {rank} says hello" in done.stdout and f"rank {rank} warns" in done.stderr
+        assert f"rank {rank} atexit" in output and f"rank {rank} atexit" in done.stdout
     assert json.loads((pooled / "rank-0.json").read_text())["gathered"] == [1.0, 2.0]
-    # a rank that fails fails the run, as under the launcher: exit status 1
+    # a rank that fails fails the run, as under the launcher: exit status 1, the
+    # interpreter's traceback and its atexit handlers (not multiprocessing's ending)
     bad = launching.run_two("launch_env.py", tmp_path / "no-such-folder")
     assert bad.returncode == 1 and "FileNotFoundError" in bad.stderr
+    assert "Traceback (most recent call last)" in bad.stderr and "ForkServerProcess" not in bad.stderr
+    assert "atexit" in bad.stdout

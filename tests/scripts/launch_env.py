@@ -4,6 +4,7 @@ Accelerator's view of the job, where the rank's output goes). Run by
 tests/loop/test_launch.py under ``accelerate launch`` and under
 launching.run_two, which must agree."""
 
+import atexit
 import json
 import os
 import sys
@@ -18,6 +19,8 @@ LAUNCHER_PREFIXES = ("ACCELERATE_", "TORCHELASTIC_", "RANK", "LOCAL_", "WORLD_SI
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     accelerator = Accelerator(cpu=True)
+    # what ends the interpreter runs, after a failure too (a lock released, a writer joined)
+    atexit.register(print, f"rank {accelerator.process_index} atexit")
     total = torch.tensor([accelerator.process_index + 1.0])
     gathered = accelerator.gather(total).tolist()  # the group works
     env = {k: v for k, v in os.environ.items() if k.startswith(LAUNCHER_PREFIXES)}

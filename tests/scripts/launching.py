@@ -69,7 +69,10 @@ def launch_env(rank: int, port: int, **extra) -> dict:
 def _rank_main(script: str, args: list, env: dict, cwd: str, out: str, err: str) -> None:
     """A rank, in a process forked from the forkserver: the environment, the
     working directory, stdout/stderr and ``sys.argv`` of a launched script,
-    then the script as ``__main__``."""
+    then the script as ``__main__``, ended as ``python script`` ends (its
+    traceback through ``sys.excepthook``, the ``atexit`` handlers, the exit
+    status), not as a multiprocessing target does."""
+    import atexit
     import runpy
 
     import torch
@@ -86,64 +89,146 @@ def _rank_main(script: str, args: list, env: dict, cwd: str, out: str, err: str)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     sys.argv = [script, *args]
     sys.path.insert(0, str(Path(script).parent))
-    runpy.run_path(script, run_name="__main__")
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit:
+        if exit.code is None or isinstance(exit.code, int):
+            code = exit.code or 0
+        else:  # sys.exit("message"), as the interpreter prints it
+            print(exit.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+#: how often the launcher's agent looks at its ranks (accelerate launch's --monitor_interval)
+MONITOR_INTERVAL_S = 0.1
+
+
+class TwoRanks:
+    """A script's two ranks forked from :func:`forkserver` (:func:`start_two`),
+    run as ``accelerate launch`` runs them, handled as the ``Popen`` of that
+    launch is: :meth:`poll`, :meth:`wait`, :meth:`communicate` (rank 0's then
+    rank 1's stdout and stderr; exit status 0 when both ranks exit 0, else 1,
+    as the launcher's), :meth:`kill` (SIGKILL to both ranks, as ``killpg`` of
+    the launch's session). As the launcher's agent does, a rank that fails
+    gets the other one a SIGTERM (a SIGKILL 30 s later)."""
+
+    def __init__(self, script: str, *args, **extra_env):
+        import tempfile
+
+        import torch.distributed
+
+        self.path = Path(script) if os.path.isabs(str(script)) else SCRIPTS / script
+        self.args = ["run_two", str(self.path), *map(str, args)]
+        # the ranks' store, here as in the launcher's agent: on a port the kernel chose (no
+        # race with another test for a free one), alive until both ranks have ended
+        self._store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self._logs = tempfile.TemporaryDirectory(prefix="hookloop-two-")
+        self._files = [(os.path.join(self._logs.name, f"out-{r}"), os.path.join(self._logs.name, f"err-{r}"))
+                       for r in (0, 1)]
+        ctx = forkserver()
+        self.ranks = [ctx.Process(target=_rank_main,
+                                  args=(str(self.path), list(self.args[2:]),
+                                        launch_env(r, self._store.port, **extra_env), os.getcwd(),
+                                        *self._files[r]))
+                      for r in (0, 1)]
+        for rank in self.ranks:
+            rank.start()
+        self.pids = [rank.pid for rank in self.ranks]
+        self.returncode: int | None = None
+        self._terminated_at: float | None = None
+        self._output: tuple[str, str] | None = None
+
+    def _supervise(self) -> None:
+        """The agent's part: a failed rank ends the other (SIGTERM, then SIGKILL)."""
+        if self._terminated_at is None:
+            if any(r.exitcode not in (None, 0) for r in self.ranks):
+                self._terminated_at = time.monotonic()
+                for rank in self.ranks:
+                    if rank.exitcode is None:
+                        rank.terminate()
+        elif time.monotonic() > self._terminated_at + 30:
+            self.kill()
+
+    def poll(self) -> int | None:
+        self._supervise()
+        if self.returncode is None and all(r.exitcode is not None for r in self.ranks):
+            self.returncode = 0 if all(r.exitcode == 0 for r in self.ranks) else 1
+            self._output = self._read()
+            self._logs.cleanup()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit status; subprocess.TimeoutExpired past ``timeout`` (the
+        ranks run on). Looks at the ranks every MONITOR_INTERVAL_S, as the
+        launcher's agent does: a rank that fails a moment after the other
+        still reports its own error, as under ``accelerate launch``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout, output=self.output())
+            time.sleep(MONITOR_INTERVAL_S)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        self.wait(timeout)
+        return self.output(), None
+
+    def output(self) -> str:
+        """What both ranks wrote so far (all of it, once both ended): their
+        stdout, then their stderr."""
+        return "".join(self.streams())
+
+    def streams(self) -> tuple[str, str]:
+        """Rank 0's then rank 1's stdout; the same of stderr."""
+        return self._output if self._output is not None else self._read()
+
+    def _read(self) -> tuple[str, str]:
+        def read(path):
+            return Path(path).read_text(errors="replace") if os.path.exists(path) else ""
+
+        return ("".join(read(out) for out, _ in self._files), "".join(read(err) for _, err in self._files))
+
+    def kill(self) -> None:
+        for rank in self.ranks:
+            if rank.exitcode is None:
+                rank.kill()
+        for rank in self.ranks:
+            rank.join()
+
+
+def start_two(script: str, *args, **extra_env) -> TwoRanks:
+    """``script`` (a path, or a name in tests/scripts/) in two ranks forked
+    from :func:`forkserver`, as ``accelerate launch`` would run it (see
+    :class:`TwoRanks`); it runs on while the caller waits for its markers."""
+    return TwoRanks(script, *args, **extra_env)
 
 
 def run_two(script: str, *args, timeout: float = TIMEOUT_S, check: bool = False,
             **extra_env) -> subprocess.CompletedProcess:
-    """``script`` (a path, or a name in tests/scripts/) in two ranks forked
-    from :func:`forkserver`, as ``accelerate launch`` would run it: a
-    CompletedProcess with rank 0's then rank 1's stdout and stderr, exit
-    status 0 when both ranks exit 0, else 1 (as the launcher; a rank that
-    fails gets the other one a SIGTERM, as the launcher's agent sends). Past
+    """:func:`start_two`, to its end: a CompletedProcess with rank 0's then
+    rank 1's stdout and stderr (as ``stdout``) and the exit status. Past
     ``timeout`` both ranks are killed: subprocess.TimeoutExpired, as
     ``subprocess.run`` raises."""
-    import tempfile
-
-    import torch.distributed
-
-    path = Path(script) if os.path.isabs(str(script)) else SCRIPTS / script
-    args = [str(a) for a in args]
-    # the ranks' store, here as in the launcher's agent: on a port the kernel chose (no
-    # race with another test for a free one), alive until both ranks have ended
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    port = store.port
-    ctx = forkserver()
-    with tempfile.TemporaryDirectory(prefix="hookloop-two-") as logs:
-        files = [(os.path.join(logs, f"out-{r}"), os.path.join(logs, f"err-{r}")) for r in (0, 1)]
-        ranks = [ctx.Process(target=_rank_main, args=(str(path), args, launch_env(r, port, **extra_env),
-                                                      os.getcwd(), *files[r]))
-                 for r in (0, 1)]
-        for rank in ranks:
-            rank.start()
-        deadline = time.monotonic() + timeout
-        while any(r.exitcode is None for r in ranks) and time.monotonic() < deadline:
-            if any(r.exitcode not in (None, 0) for r in ranks):
-                # a rank failed: the launcher's agent ends the others (SIGTERM, then SIGKILL)
-                for rank in ranks:
-                    if rank.exitcode is None:
-                        rank.terminate()
-                deadline = min(deadline, time.monotonic() + 30)
-            multiprocessing.connection.wait([r.sentinel for r in ranks if r.exitcode is None],
-                                            max(0.0, deadline - time.monotonic()))
-        hung = [r for r in ranks if r.exitcode is None]
-        for rank in hung:
-            rank.kill()
-            rank.join()
-
-        def read(path):
-            return Path(path).read_text(errors="replace") if os.path.exists(path) else ""
-
-        stdout = "".join(read(out) for out, _ in files)
-        stderr = "".join(read(err) for _, err in files)
-    command = ["run_two", str(path), *args]
-    if hung:
-        raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr)
-    code = 0 if all(r.exitcode == 0 for r in ranks) else 1
+    run = start_two(script, *args, **extra_env)
+    try:
+        code = run.wait(timeout)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        run.poll()
+        raise subprocess.TimeoutExpired(run.args, timeout, *run.streams()) from None
+    stdout, stderr = run.streams()
     if check and code != 0:
-        raise AssertionError(f"{path.name} {' '.join(args)}: exit statuses "
-                             f"{[r.exitcode for r in ranks]}\n{stdout[-3000:]}\n{stderr[-3000:]}")
-    return subprocess.CompletedProcess(command, code, stdout, stderr)
+        raise AssertionError(f"{run.path.name} {' '.join(run.args[2:])}: exit statuses "
+                             f"{[r.exitcode for r in run.ranks]}\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(run.args, code, stdout, stderr)
 
 
 def two_ranks(script: str, *args, timeout: float = TIMEOUT_S) -> tuple[int | None, str]:

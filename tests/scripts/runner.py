@@ -98,11 +98,23 @@ def plain_python(out: Path, *args) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def launch_two(out: Path, *args, script: Path = SCRIPT) -> subprocess.Popen:
-    """The run in two processes: ``accelerate launch --multi_gpu
-    --num_processes 2`` (``--cpu`` would start one); resumable.py (or
-    ``script``) asks for ``Accelerator(cpu=True)``. In its own session, so
-    that the test can kill the launcher and both ranks at once."""
+def launch_two(out: Path, *args, script: Path = SCRIPT):
+    """The run in two processes, as ``accelerate launch --multi_gpu
+    --num_processes 2`` runs it (resumable.py, or ``script``, asks for
+    ``Accelerator(cpu=True)``): both ranks forked from the forkserver
+    (launching.start_two), handled as the launch's ``Popen``; ``kill()``
+    SIGKILLs both ranks at once."""
+    import launching
+
+    for marker in Path(out).glob("paused-*"):
+        marker.unlink()
+    return launching.start_two(script, out, *args)
+
+
+def accelerate_launch_two(out: Path, *args, script: Path = SCRIPT) -> subprocess.Popen:
+    """The same under the real ``accelerate launch``, for a test of what the
+    launcher itself reports; in its own session, so that the test can kill
+    the launcher and both ranks at once."""
     for marker in Path(out).glob("paused-*"):
         marker.unlink()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -113,7 +125,7 @@ def launch_two(out: Path, *args, script: Path = SCRIPT) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def wait_for_markers(process: subprocess.Popen, *markers: Path) -> None:
+def wait_for_markers(process, *markers: Path) -> None:
     """Until every marker file exists (a run holding at its ``--pause``
     point writes ``paused-<rank>``), polling with a deadline: a process that
     ends first, or a marker that never comes within PATIENCE_S, fails the
