@@ -1,11 +1,12 @@
 """Start a script in two processes for the tests, never waiting forever.
 
-:func:`run_two`: the script's two ranks forked from this session's
+:class:`TwoRanks`: the script's two ranks forked from this session's
 forkserver (:func:`forkserver`: torch, Accelerate, transformers and hookloop
 imported once), with the environment ``accelerate launch --multi_gpu
 --num_processes 2`` gives its ranks; no launcher and no fresh interpreters,
 about 5 s of CPU less a run (tests/loop/test_launch.py checks that a rank
-sees what it sees under ``accelerate launch``). For a test about the
+sees what it sees under ``accelerate launch``), handled as the launch's
+``Popen``; :func:`run_two` runs it to its end. For a test about the
 launch itself (its exit statuses, its restarts, a kill of the whole job):
 :func:`accelerate_two`: ``accelerate launch --multi_gpu --num_processes 2``
 on this CPU machine (the script asks for ``Accelerator(cpu=True)``, or does
@@ -19,7 +20,6 @@ the run once ``timeout`` seconds have passed (a hang fails the test).
 from __future__ import annotations
 
 import multiprocessing
-import multiprocessing.connection
 import os
 import signal
 import socket
@@ -112,12 +112,12 @@ MONITOR_INTERVAL_S = 0.1
 
 
 class TwoRanks:
-    """A script's two ranks forked from :func:`forkserver` (:func:`start_two`),
-    run as ``accelerate launch`` runs them, handled as the ``Popen`` of that
-    launch is: :meth:`poll`, :meth:`wait`, :meth:`communicate` (rank 0's then
-    rank 1's stdout and stderr; exit status 0 when both ranks exit 0, else 1,
-    as the launcher's), :meth:`kill` (SIGKILL to both ranks, as ``killpg`` of
-    the launch's session). As the launcher's agent does, a rank that fails
+    """``script`` (a path, or a name in tests/scripts/) in two ranks forked
+    from :func:`forkserver`, run as ``accelerate launch`` runs them, handled
+    as the ``Popen`` of that launch is: :meth:`poll`, :meth:`wait`,
+    :meth:`communicate` (rank 0's then rank 1's stdout and stderr; exit
+    status 0 when both ranks exit 0, else 1, as the launcher's), :meth:`kill`
+    (SIGKILL to both ranks, as ``killpg`` of the launch's session). As the launcher's agent does, a rank that fails
     gets the other one a SIGTERM (a SIGKILL 30 s later)."""
 
     def __init__(self, script: str, *args, **extra_env):
@@ -141,7 +141,6 @@ class TwoRanks:
                       for r in (0, 1)]
         for rank in self.ranks:
             rank.start()
-        self.pids = [rank.pid for rank in self.ranks]
         self.returncode: int | None = None
         self._terminated_at: float | None = None
         self._output: tuple[str, str] | None = None
@@ -204,20 +203,13 @@ class TwoRanks:
             rank.join()
 
 
-def start_two(script: str, *args, **extra_env) -> TwoRanks:
-    """``script`` (a path, or a name in tests/scripts/) in two ranks forked
-    from :func:`forkserver`, as ``accelerate launch`` would run it (see
-    :class:`TwoRanks`); it runs on while the caller waits for its markers."""
-    return TwoRanks(script, *args, **extra_env)
-
-
 def run_two(script: str, *args, timeout: float = TIMEOUT_S, check: bool = False,
             **extra_env) -> subprocess.CompletedProcess:
-    """:func:`start_two`, to its end: a CompletedProcess with rank 0's then
-    rank 1's stdout and stderr (as ``stdout``) and the exit status. Past
+    """:class:`TwoRanks`, to its end: a CompletedProcess with the exit
+    status, rank 0's then rank 1's stdout, and the same of stderr. Past
     ``timeout`` both ranks are killed: subprocess.TimeoutExpired, as
     ``subprocess.run`` raises."""
-    run = start_two(script, *args, **extra_env)
+    run = TwoRanks(script, *args, **extra_env)
     try:
         code = run.wait(timeout)
     except subprocess.TimeoutExpired:

@@ -102,13 +102,13 @@ def launch_two(out: Path, *args, script: Path = SCRIPT):
     """The run in two processes, as ``accelerate launch --multi_gpu
     --num_processes 2`` runs it (resumable.py, or ``script``, asks for
     ``Accelerator(cpu=True)``): both ranks forked from the forkserver
-    (launching.start_two), handled as the launch's ``Popen``; ``kill()``
+    (launching.TwoRanks), handled as the launch's ``Popen``; ``kill()``
     SIGKILLs both ranks at once."""
     import launching
 
     for marker in Path(out).glob("paused-*"):
         marker.unlink()
-    return launching.start_two(script, out, *args)
+    return launching.TwoRanks(script, out, *args)
 
 
 def accelerate_launch_two(out: Path, *args, script: Path = SCRIPT) -> subprocess.Popen:
