@@ -476,6 +476,7 @@ def test_two_processes_asking_for_a_live_runs_latest_are_both_refused(tmp_path, 
     output = process.communicate(timeout=runner.PATIENCE_S)[0]
     assert process.returncode != 0
     assert output.count("still running") >= 2, output[-4000:]  # every rank raised it
+    assert sorted(p.name for p in out.glob("refused-*")) == ["refused-0", "refused-1"]  # (refusals.py)
     assert f"pid {sleeper.pid}" in output
     assert not (out / "run.json").exists()
 

@@ -204,6 +204,7 @@ def test_a_corrupted_shard_is_refused_naming_it(fully_shard_runs, tmp_path):
     assert process.returncode != 0
     assert "from dcp/model/__1_0.distcp: it does not match its checksum" in output, output[-4000:]
     assert output.count("__1_0.distcp: it does not match its checksum") >= 2  # both ranks refuse
+    assert sorted(p.name for p in tmp_path.glob("refused-*")) == ["refused-0", "refused-1"]  # (refusals.py)
     assert not (tmp_path / "run.json").exists()
 
 

@@ -375,4 +375,7 @@ def child(argv, log):
 
 
 if __name__ == "__main__":
-    main()
+    from refusals import every_rank_prints_its_refusal
+
+    with every_rank_prints_its_refusal(Path(sys.argv[1])):  # (tests that every rank refuses)
+        main()

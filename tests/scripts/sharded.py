@@ -192,4 +192,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from refusals import every_rank_prints_its_refusal
+
+    with every_rank_prints_its_refusal(Path(sys.argv[1])):  # (tests that every rank refuses)
+        main()
