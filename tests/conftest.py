@@ -57,4 +57,3 @@ def _close_open_loops():
 
     for loop in list(_open_loops):
         loop.close()
-

@@ -623,7 +623,6 @@ def test_a_version_1_checkpoint_is_refused_naming_the_hookloop_that_wrote_it(tmp
 
 @pytest.mark.slow
 def test_a_process_sent_sigterm_during_its_final_save_exits_75(tmp_path):
-
     import runner
 
     args = ("--strategy", "supervised", "--accum", "2", "--epochs", "3", "--every-steps", "3")

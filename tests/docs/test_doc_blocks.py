@@ -4,8 +4,8 @@ written.
 Each page's blocks run in order in one namespace (a later block may use what
 an earlier one defined), in a temporary working directory, after
 docs/example_names.py (the names the docs use for "your model, your data"):
-docs/*.md's here (README.md's each alone, in tests/docs/test_readme.py), the plugins' READMEs in a virtual
-environment where the plugins are installed
+docs/*.md's here (README.md's each alone, in tests/docs/test_readme.py),
+the plugins' READMEs in a virtual environment where the plugins are installed
 (tests/manager/test_plugin_distributions.py). A block that cannot run as
 written (it needs the model hub, a GPU, or it is an excerpt of a larger
 program) is marked by the line ``<!-- fragment: why -->`` right above its
@@ -13,7 +13,6 @@ fence; a whole program that a slow test runs as written (on a Ray cluster,
 with a torchft lighthouse) by ``<!-- runs in: TEST (why) -->``. Both are still
 compiled here, so they must at least be Python (tests/scripts/doc_blocks.py).
 """
-
 
 import pytest
 
